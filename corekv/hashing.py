@@ -1,0 +1,130 @@
+"""Chained block hashing: the keys under which every tier and backend knows a block.
+
+``h_i = H(h_{i-1} || tokens of block i)`` and ``h_{-1} = H(model fingerprint, block size,
+cache_salt, extra keys)``. Equal hashes therefore mean the same whole prefix, for the same model
+and tenant, in every process and on every machine: nothing here uses Python's ``hash()`` or a
+per-process seed.
+
+Token ids are packed once per prompt as little-endian uint32 (one vectorised conversion), and the
+chain then hashes fixed-size slices of that one buffer.
+"""
+from __future__ import annotations
+
+import hashlib
+from array import array
+from collections.abc import Sequence
+
+import xxhash
+
+BlockHash = bytes
+HASH_ALGORITHMS = ("xxh3_128", "sha256")
+
+# NOTE: array("I") is native-endian; every platform corekv runs on is little-endian, and the check
+# below turns a big-endian machine into a loud error instead of silently different keys.
+if array("I", [1]).tobytes() != b"\x01\x00\x00\x00":  # pragma: no cover - no such machine here
+    raise ImportError("corekv.hashing assumes a little-endian machine for portable block keys")
+
+
+def _digest_function(algorithm: str):
+    if algorithm == "xxh3_128":
+        return xxhash.xxh3_128_digest
+    if algorithm == "sha256":
+        return lambda data: hashlib.sha256(data).digest()
+    raise ValueError(f"hash algorithm {algorithm!r} is not supported; expected one of {HASH_ALGORITHMS}")
+
+
+def chain_seed(
+    model_fingerprint: str,
+    block_size: int,
+    cache_salt: str | None = None,
+    extra_keys: Sequence[str] = (),
+    algorithm: str = "xxh3_128",
+) -> BlockHash:
+    """Return ``h_{-1}``, the root of a request's hash chain.
+
+    :param model_fingerprint: identity of the weights, config, KV dtype and layout.
+    :param block_size: tokens per block; different block sizes never share keys.
+    :param cache_salt: the request's tenant salt; ``None`` and ``""`` are the same (no salt).
+    :param extra_keys: further namespaces, e.g. a LoRA adapter id.
+    :returns: a digest of the hash algorithm's size (16 bytes for xxh3_128, 32 for sha256).
+    """
+    parts = ["corekv-chain-v1", algorithm, model_fingerprint, str(int(block_size)), cache_salt or ""]
+    parts.extend(str(k) for k in extra_keys)
+    # NOTE: length-prefixing every part keeps ("ab", "c") and ("a", "bc") apart.
+    payload = b"".join(len(p.encode()).to_bytes(4, "little") + p.encode() for p in parts)
+    return _digest_function(algorithm)(payload)
+
+
+def pack_tokens(token_ids: Sequence[int]) -> bytes:
+    """Pack token ids as little-endian uint32 in one pass (raises OverflowError on ids >= 2**32)."""
+    if isinstance(token_ids, array) and token_ids.typecode == "I":
+        return token_ids.tobytes()
+    return array("I", token_ids).tobytes()
+
+
+def block_hashes(
+    token_ids: Sequence[int],
+    block_size: int,
+    seed: BlockHash,
+    algorithm: str = "xxh3_128",
+    start: int = 0,
+) -> list[BlockHash]:
+    """Hashes of the full blocks of ``token_ids`` (a trailing partial block has none).
+
+    :param seed: ``chain_seed(...)`` for block 0, or the hash of block ``start - 1`` to extend a chain.
+    :param start: index of the first block to hash; earlier blocks are taken as already hashed.
+    """
+    digest = _digest_function(algorithm)
+    stride = 4 * block_size
+    packed = pack_tokens(token_ids[start * block_size:])
+    hashes: list[BlockHash] = []
+    append = hashes.append
+    prev = seed
+    for offset in range(0, len(packed) - stride + 1, stride):
+        prev = digest(prev + packed[offset:offset + stride])
+        append(prev)
+    return hashes
+
+
+class PrefixKey:
+    """A request's tokens with the namespace and the chained hashes of their full blocks.
+
+    Backends index by ``block_hashes`` (hash-block style) or by ``(namespace, token_ids)``
+    (radix style); tiers store by ``block_hashes``. ``namespace`` is the chain seed, so two
+    requests share cache entries only when model, block size, salt and extra keys all agree.
+    Hashes are computed lazily on first access of ``block_hashes`` (a radix index that never
+    reads them never pays for them) and incrementally as ``token_ids`` grows.
+    """
+
+    __slots__ = ("token_ids", "block_size", "namespace", "algorithm", "_hashes")
+
+    def __init__(self, token_ids: Sequence[int], block_size: int, namespace: BlockHash,
+                 algorithm: str = "xxh3_128"):
+        self.token_ids = list(token_ids)
+        self.block_size = block_size
+        self.namespace = namespace
+        self.algorithm = algorithm
+        self._hashes: list[BlockHash] = []
+
+    def __repr__(self) -> str:
+        return (f"PrefixKey(num_tokens={len(self.token_ids)}, block_size={self.block_size}, "
+                f"namespace={self.namespace.hex()[:12]})")
+
+    @property
+    def num_full_blocks(self) -> int:
+        return len(self.token_ids) // self.block_size
+
+    @property
+    def block_hashes(self) -> list[BlockHash]:
+        """Chained hashes of every full block of ``token_ids`` (computed once each)."""
+        done = len(self._hashes)
+        if done < self.num_full_blocks:
+            seed = self._hashes[-1] if done else self.namespace
+            self._hashes.extend(
+                block_hashes(self.token_ids, self.block_size, seed, self.algorithm, start=done)
+            )
+        return self._hashes
+
+    def extend(self, token_ids: Sequence[int]) -> None:
+        """Append tokens (e.g. generated ones); their full blocks get hashes on next access."""
+        self.token_ids.extend(token_ids)

@@ -1,0 +1,130 @@
+"""Hook specifications: everything a corekv plugin can provide or observe.
+
+Builtin plugins (``corekv.plugins.*``, ``corekv.tiers.*``) implement these exactly as third-party
+plugins do, and are found through the same ``corekv`` entry-point group. Every hook is named
+``corekv_*``; ``corekv_register_*`` hooks return lists, ``corekv_on_*`` hooks observe events and
+return nothing, and selection hooks are ``firstresult`` and return ``None`` when they don't apply.
+
+Each hook has a heading with its exact signature in ``docs/plugins.md``; ``tests/test_hooks.py``
+fails when one is missing or has no test.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import pluggy
+
+if TYPE_CHECKING:
+    from corekv.backend import BlockEvent
+    from corekv.plugin import BackendSpec, TierSpec
+
+hookspec = pluggy.HookspecMarker("corekv")
+
+
+# -------------------------------------------------------------------------------------------
+# Registration hooks (collected from every plugin)
+# -------------------------------------------------------------------------------------------
+@hookspec
+def corekv_register_backends() -> list[BackendSpec]:
+    """Register prefix-cache backends.
+
+    :returns: a list of :class:`corekv.plugin.BackendSpec`, each naming a backend
+        (``cache.backend`` in the config), its factory and its options schema.
+
+    .. versionadded:: 0.1
+    """
+
+
+@hookspec
+def corekv_register_tiers() -> list[TierSpec]:
+    """Register storage tiers.
+
+    :returns: a list of :class:`corekv.plugin.TierSpec`, each naming a tier type
+        (``cache.tiers[i].type`` in the config), its factory and its options schema.
+
+    .. versionadded:: 0.1
+    """
+
+
+# -------------------------------------------------------------------------------------------
+# Selection hooks (first non-None answer wins)
+# -------------------------------------------------------------------------------------------
+@hookspec(firstresult=True)
+def corekv_resolve_model(name: str) -> str | None:
+    """Turn a model alias from the config (e.g. ``smollm2-135m-instruct``) into a local path.
+
+    This hook is ``firstresult``: the first plugin that returns a path wins.
+
+    :param name: the ``model`` field of the config.
+    :returns: a local Hugging Face model folder or ``.gguf`` file, or ``None`` if the plugin does
+        not know this name.
+
+    .. versionadded:: 0.1
+    """
+
+
+# -------------------------------------------------------------------------------------------
+# Lifecycle and event hooks (observers; return values are ignored)
+# -------------------------------------------------------------------------------------------
+@hookspec
+def corekv_on_engine_started(engine: Any) -> None:
+    """Called once when an engine has loaded its model and pool and is ready to serve.
+
+    The builtin ``pinned`` plugin warms and pins ``cache.pinned`` here.
+
+    :param engine: the :class:`corekv.Engine`.
+
+    .. versionadded:: 0.1
+    """
+
+
+@hookspec
+def corekv_on_blocks_stored(events: list[BlockEvent]) -> None:
+    """Full blocks became hittable in the device cache.
+
+    :param events: ``BlockEvent(kind="stored", block_hashes=...)`` batches, in order.
+
+    .. versionadded:: 0.1
+    """
+
+
+@hookspec
+def corekv_on_blocks_removed(events: list[BlockEvent]) -> None:
+    """Cached blocks left the device cache (evicted or cleared).
+
+    :param events: ``BlockEvent(kind="removed", block_hashes=...)`` batches, in order.
+
+    .. versionadded:: 0.1
+    """
+
+
+@hookspec
+def corekv_on_blocks_offloaded(tier: str, block_hashes: list[bytes]) -> None:
+    """Blocks were written to a storage tier.
+
+    :param tier: the tier's name (its ``type``, or ``name`` when the config sets one).
+    :param block_hashes: the keys written.
+
+    .. versionadded:: 0.1
+    """
+
+
+@hookspec
+def corekv_on_blocks_loaded(tier: str, block_hashes: list[bytes]) -> None:
+    """Blocks were reloaded from a storage tier into the device pool.
+
+    :param tier: the tier's name.
+    :param block_hashes: the keys loaded.
+
+    .. versionadded:: 0.1
+    """
+
+
+@hookspec
+def corekv_on_request_finished(output: Any) -> None:
+    """A request finished (stopped, hit its length limit, or was aborted).
+
+    :param output: its final :class:`corekv.RequestOutput`.
+
+    .. versionadded:: 0.1
+    """

@@ -1,0 +1,1 @@
+"""Conformance suites that corekv's own and third-party backends and tiers subclass."""

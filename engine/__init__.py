@@ -1,0 +1,1 @@
+"""corekv's inference engine (installed as ``corekv.engine``)."""

@@ -1,0 +1,1 @@
+"""corekv's builtin prefix-cache backends and plugins (installed as ``corekv.plugins``)."""

@@ -1,0 +1,1 @@
+"""corekv's builtin storage tiers (installed as ``corekv.tiers``)."""
