@@ -1,14 +1,47 @@
 """corekv: a plugin-style KV-cache framework with tiered offload for LLM inference."""
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
 from corekv.errors import ConfigError, CoreKVError, PluginError
 from corekv.plugin import available_plugins, hookimpl, make_plugin_manager
 
 __version__ = "0.1.0"
 
+# NOTE: the engine pulls in torch and transformers; importing corekv for its config, hashing or
+# backends must not, so these names load on first use.
+_LAZY = {
+    "load_config": "corekv.config",
+    "Config": "corekv.config",
+    "Engine": "corekv.engine.llm_engine",
+    "RequestOutput": "corekv.engine.outputs",
+    "SamplingParams": "corekv.engine.sampling",
+    "bench": "corekv.bench",
+}
+
+
+def __getattr__(name: str) -> Any:
+    module_name = _LAZY.get(name)
+    if module_name is None:
+        raise AttributeError(f"module 'corekv' has no attribute {name!r}")
+    module = importlib.import_module(module_name)
+    value = module if module_name.endswith("." + name) else getattr(module, name)
+    globals()[name] = value
+    return value
+
+
 __all__ = [
+    "Config",
     "ConfigError",
     "CoreKVError",
+    "Engine",
     "PluginError",
+    "RequestOutput",
+    "SamplingParams",
     "available_plugins",
+    "bench",
     "hookimpl",
+    "load_config",
     "make_plugin_manager",
 ]
