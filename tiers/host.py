@@ -1,1 +1,126 @@
-"""(being written)"""
+"""``host``: KV blocks in one preallocated arena of CPU memory (pinned when CUDA is present)."""
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Iterator, Sequence
+
+import numpy as np
+import torch
+
+from corekv.plugin import Option, TierSpec, hookimpl
+from corekv.tier import BlockHash, Tier
+
+
+class HostTier(Tier):
+    """An LRU cache of entries in ``size // entry_bytes`` fixed slots of one uint8 arena.
+
+    Invariants: ``key_to_slot`` and ``free_slots`` partition the slots; ``key_to_slot`` is in LRU
+    order (oldest first; ``get`` hits and re-``put`` move a key to the end); memory is allocated
+    once at construction and never grows.
+    """
+
+    def __init__(self, *, size: int, block_bytes: int, fingerprint: bytes, dtype: str = "uint8",
+                 shape: Sequence[int] | None = None, name: str | None = None,
+                 pin_memory: bool | None = None):
+        super().__init__(block_bytes=block_bytes, fingerprint=fingerprint, dtype=dtype, shape=shape,
+                         name=name or "host")
+        entry_bytes = self.codec.entry_bytes
+        if not isinstance(size, int) or size < entry_bytes:
+            raise ValueError(f"size must be at least one block entry ({entry_bytes} bytes), got "
+                             f"{size!r}; raise cache.tiers[].size for the host tier (e.g. 2GiB)")
+        self.num_slots = size // entry_bytes
+        if pin_memory is None:
+            # NOTE: pinned pages make host->device copies async and about twice as fast, but
+            # pinning without CUDA fails, so it follows the accelerator's presence.
+            pin_memory = torch.cuda.is_available()
+        self.is_pinned = pin_memory
+        self.arena = torch.empty((self.num_slots, entry_bytes), dtype=torch.uint8, pin_memory=pin_memory)
+        # NOTE: numpy views of the same memory make the per-slot copies cheap (no torch dispatch).
+        self._rows = self.arena.numpy()
+        self.key_to_slot: OrderedDict[BlockHash, int] = OrderedDict()
+        self.free_slots: list[int] = list(range(self.num_slots - 1, -1, -1))
+        self.slot_lengths = [0] * self.num_slots
+
+    @property
+    def capacity_bytes(self) -> int:
+        return self.num_slots * self.codec.entry_bytes
+
+    @property
+    def used_bytes(self) -> int:
+        return len(self.key_to_slot) * self.codec.entry_bytes
+
+    @property
+    def num_entries(self) -> int:
+        return len(self.key_to_slot)
+
+    supports_listing = True
+
+    def keys(self) -> Iterator[BlockHash]:
+        with self._lock:
+            return iter(list(self.key_to_slot))
+
+    def _read_entries(self, keys: list[BlockHash]) -> list[bytes | None]:
+        entries: list[bytes | None] = []
+        for key in keys:
+            slot = self.key_to_slot.get(key)
+            if slot is None:
+                entries.append(None)
+                continue
+            self.key_to_slot.move_to_end(key)
+            # NOTE: a copy, not a view: the slot may be reused by the next put while the caller
+            # still holds the payload.
+            entries.append(self._rows[slot, :self.slot_lengths[slot]].tobytes())
+        return entries
+
+    def _write_entries(self, items) -> int:
+        for key, parts in items:
+            slot = self.key_to_slot.get(key)
+            if slot is not None:
+                self.key_to_slot.move_to_end(key)
+                continue
+            slot = self._take_slot()
+            row = self._rows[slot]
+            offset = 0
+            for part in parts:
+                view = np.frombuffer(part, dtype=np.uint8)[:row.size - offset]
+                row[offset:offset + view.size] = view
+                offset += view.size
+            # NOTE: the stored length is kept so that a short (malformed) entry reads back short
+            # and fails as truncated, instead of as zero padding.
+            self.slot_lengths[slot] = offset
+            self.key_to_slot[key] = slot
+            self._stats["puts"] += 1
+            self._stats["bytes_written"] += offset
+        return len(items)
+
+    def _contains_entries(self, keys: list[BlockHash]) -> list[bool]:
+        return [key in self.key_to_slot for key in keys]
+
+    def _delete_entries(self, keys: list[BlockHash]) -> None:
+        for key in keys:
+            slot = self.key_to_slot.pop(key, None)
+            if slot is not None:
+                self.free_slots.append(slot)
+
+    def _take_slot(self) -> int:
+        if self.free_slots:
+            return self.free_slots.pop()
+        _, slot = self.key_to_slot.popitem(last=False)
+        self._stats["evictions"] += 1
+        return slot
+
+    def _close(self) -> None:
+        self.key_to_slot.clear()
+        self.free_slots = []
+        self._rows = None
+        self.arena = None
+
+
+@hookimpl
+def corekv_register_tiers() -> list[TierSpec]:
+    return [TierSpec(
+        name="host",
+        factory=HostTier,
+        options={"size": Option("size", help="bytes of CPU memory for the arena, e.g. 2GiB", minimum=1)},
+        description="KV blocks in one preallocated (pinned when CUDA is present) CPU arena, LRU",
+    )]

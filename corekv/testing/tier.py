@@ -1,0 +1,244 @@
+"""``TierTests``: the conformance suite every storage tier's tests subclass.
+
+Usage (a third-party tier does exactly what corekv's own tests do)::
+
+    from corekv.testing.tier import TierTests
+
+    class TestMyTier(TierTests):
+        def make_tier(self, tmp_path, block_bytes):
+            return MyTier(..., block_bytes=block_bytes, fingerprint=self.fingerprint)
+
+``make_tier`` must return a fresh, empty tier holding at least ``min_capacity_blocks`` blocks of
+``block_bytes``; the suite closes it. Tampering tests write raw entries through the tier's own
+primitives (``_delete_entries`` then ``_write_entries``), so they work for any store.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+
+import numpy as np
+import pytest
+
+from corekv.block_format import EntryCodec
+from corekv.hashing import block_hashes, chain_seed
+from corekv.tier import Tier
+
+
+def block_payload(key: bytes, block_bytes: int) -> bytes:
+    """Deterministic bytes for ``key``: a test can tell every block's payload from every other's."""
+    seed = int.from_bytes(key[:8].ljust(8, b"\0"), "little")
+    return np.random.default_rng(seed).integers(0, 256, block_bytes, dtype=np.uint8).tobytes()
+
+
+def make_keys(n: int, salt: str = "", fingerprint: str = "testing-model") -> list[bytes]:
+    """``n`` chained keys of one prompt, the way the engine makes them."""
+    seed = chain_seed(fingerprint, 4, cache_salt=salt)
+    return block_hashes(list(range(1000, 1000 + 4 * n)), 4, seed)
+
+
+def replace_raw(tier: Tier, key: bytes, entry: bytes) -> None:
+    """Put ``entry`` (any bytes, valid or not) under ``key``, bypassing encoding."""
+    tier._delete_entries([key])
+    tier._write_entries([(key, (entry,))])
+
+
+class TierTests:
+    """Behaviour every :class:`corekv.tier.Tier` must have; subclass and define ``make_tier``."""
+
+    block_bytes = 4096
+    fingerprint = b"corekv-testing-model-fingerprint"
+    min_capacity_blocks = 32
+
+    def make_tier(self, tmp_path, block_bytes: int) -> Tier:
+        raise NotImplementedError("subclasses of TierTests define make_tier(tmp_path, block_bytes)")
+
+    @pytest.fixture
+    def tier(self, tmp_path):
+        tier = self.make_tier(tmp_path, self.block_bytes)
+        yield tier
+        tier.close()
+
+    # ------------------------------------------------------------------ round trips
+    def test_put_then_get_returns_the_same_bytes(self, tier):
+        keys = make_keys(4)
+        assert tier.put([(k, block_payload(k, self.block_bytes)) for k in keys]) == 4
+        assert [bytes(p) for p in tier.get(keys)] == [block_payload(k, self.block_bytes) for k in keys]
+
+    def test_get_keeps_order_and_misses_are_none(self, tier):
+        stored, absent = make_keys(3), make_keys(2, salt="absent")
+        tier.put([(k, block_payload(k, self.block_bytes)) for k in stored])
+        got = tier.get([absent[0], stored[2], absent[1], stored[0]])
+        assert got[0] is None and got[2] is None
+        assert bytes(got[1]) == block_payload(stored[2], self.block_bytes)
+        assert bytes(got[3]) == block_payload(stored[0], self.block_bytes)
+        assert tier.get([]) == []
+
+    def test_exists_counts_the_leading_run(self, tier):
+        keys = make_keys(5)
+        tier.put([(k, block_payload(k, self.block_bytes)) for k in keys[:2] + keys[3:]])
+        assert tier.exists(keys) == 2
+        assert tier.exists(keys[3:]) == 2
+        assert tier.exists(keys[2:]) == 0
+        assert tier.exists([]) == 0
+        assert tier.contains(keys[0]) and not tier.contains(keys[2])
+
+    def test_delete_removes_and_ignores_absent_keys(self, tier):
+        keys = make_keys(3)
+        tier.put([(k, block_payload(k, self.block_bytes)) for k in keys])
+        tier.delete([keys[1], make_keys(1, salt="never-stored")[0]])
+        assert [p is not None for p in tier.get(keys)] == [True, False, True]
+        tier.delete_one(keys[0])
+        assert tier.get_one(keys[0]) is None
+
+    def test_put_of_a_present_key_keeps_one_entry(self, tier):
+        key = make_keys(1)[0]
+        assert tier.put_one(key, block_payload(key, self.block_bytes))
+        assert tier.put_one(key, block_payload(key, self.block_bytes))
+        assert tier.num_entries == 1
+        assert tier.used_bytes >= self.block_bytes
+
+    def test_stats_count_hits_misses_and_bytes(self, tier):
+        keys = make_keys(3)
+        tier.put([(k, block_payload(k, self.block_bytes)) for k in keys[:2]])
+        tier.get(keys)
+        stats = tier.stats()
+        assert (stats["hits"], stats["misses"], stats["puts"]) == (2, 1, 2)
+        assert stats["bytes_read"] == 2 * self.block_bytes
+        assert stats["bytes_written"] >= 2 * self.block_bytes
+        assert stats["faults"] == 0
+
+    # ------------------------------------------------------------------ argument checks
+    def test_a_payload_of_the_wrong_size_is_rejected(self, tier):
+        key = make_keys(1)[0]
+        with pytest.raises(ValueError, match=f"{self.block_bytes - 1} bytes.*{self.block_bytes} bytes"):
+            tier.put([(key, bytes(self.block_bytes - 1))])
+        assert tier.get_one(key) is None
+
+    @pytest.mark.parametrize("keys", [b"a-single-key", ["text-key"], [b""], "abc"])
+    def test_keys_must_be_a_sequence_of_bytes(self, tier, keys):
+        with pytest.raises(TypeError, match="keys must"):
+            tier.get(keys)
+
+    # ------------------------------------------------------------------ integrity
+    @pytest.mark.parametrize("where", ["magic", "header", "payload_start", "payload_end"])
+    def test_a_flipped_byte_is_a_counted_miss_and_the_entry_is_removed(self, tier, where):
+        key = make_keys(1)[0]
+        entry = bytearray(tier.codec.encode(block_payload(key, self.block_bytes)))
+        offset = {"magic": 0, "header": 30, "payload_start": 72, "payload_end": len(entry) - 1}[where]
+        entry[offset] ^= 0x40
+        replace_raw(tier, key, bytes(entry))
+        assert tier.get([key]) == [None]
+        assert tier.stats()["faults"] == 1
+        assert tier.exists([key]) == 0
+
+    @pytest.mark.parametrize("length", [0, 10, 72, 73, 4000])
+    def test_a_truncated_entry_is_a_counted_miss_and_removed(self, tier, length):
+        key = make_keys(1)[0]
+        entry = tier.codec.encode(block_payload(key, self.block_bytes))
+        replace_raw(tier, key, entry[:length])
+        assert tier.get_one(key) is None
+        assert tier.stats()["faults"] == 1
+        assert tier.exists([key]) == 0
+
+    @pytest.mark.parametrize("foreign", [
+        {"fingerprint": b"another-model", "dtype": "uint8", "shape": None},
+        {"fingerprint": None, "dtype": "float32", "shape": "quarter"},
+        {"fingerprint": None, "dtype": "uint8", "shape": "two-rows"},
+    ])
+    def test_an_entry_of_another_model_dtype_or_shape_is_a_miss(self, tier, foreign):
+        key = make_keys(1)[0]
+        shape = {None: (self.block_bytes,), "quarter": (self.block_bytes // 4,),
+                 "two-rows": (2, self.block_bytes // 2)}[foreign["shape"]]
+        codec = EntryCodec(fingerprint=foreign["fingerprint"] or self.fingerprint,
+                           dtype=foreign["dtype"], shape=shape)
+        replace_raw(tier, key, codec.encode(block_payload(key, self.block_bytes)))
+        assert tier.get_one(key) is None
+        assert tier.stats()["faults"] == 1
+        assert tier.exists([key]) == 0
+
+    def test_faults_are_logged_once_per_reason(self, tier, caplog):
+        keys = make_keys(3)
+        for key in keys:
+            replace_raw(tier, key, b"garbage that is not an entry")
+        with caplog.at_level(logging.WARNING, logger="corekv.tier"):
+            assert tier.get(keys) == [None, None, None]
+        assert tier.stats()["faults"] == 3
+        assert len([r for r in caplog.records if r.levelno == logging.WARNING]) == 1
+
+    # ------------------------------------------------------------------ capacity and lifetime
+    def test_filling_past_capacity_never_raises(self, tier):
+        if tier.capacity_bytes is None:
+            pytest.skip(f"{type(tier).__name__} has no capacity of its own")
+        n = min(3 * tier.capacity_bytes // tier.codec.entry_bytes + 3, 400)
+        keys = make_keys(n, salt="fill")
+        stored = sum(tier.put([(k, block_payload(k, self.block_bytes))]) for k in keys)
+        stats = tier.stats()
+        assert stored == stats["puts"] and stats["skips"] == n - stored
+        assert tier.used_bytes <= tier.capacity_bytes
+        assert stats["evictions"] > 0 or stats["skips"] > 0
+        last = keys[-1]  # the most recent write survives an LRU, or was skipped
+        assert tier.get_one(last) in (None, block_payload(last, self.block_bytes))
+
+    def test_usage_grows_with_entries(self, tier):
+        before = tier.num_entries
+        keys = make_keys(3, salt="usage")
+        tier.put([(k, block_payload(k, self.block_bytes)) for k in keys])
+        assert tier.num_entries == before + 3
+        assert tier.used_bytes >= 3 * self.block_bytes
+
+    def test_keys_lists_what_was_stored(self, tier):
+        if not tier.supports_listing:
+            pytest.skip(f"{type(tier).__name__} does not list keys")
+        keys = make_keys(3, salt="listing")
+        tier.put([(k, block_payload(k, self.block_bytes)) for k in keys])
+        assert set(keys) <= set(tier.keys())
+
+    def test_a_closed_tier_refuses_calls(self, tmp_path):
+        with self.make_tier(tmp_path, self.block_bytes) as tier:
+            assert not tier.is_closed
+        assert tier.is_closed
+        with pytest.raises(RuntimeError, match="closed"):
+            tier.get(make_keys(1))
+        tier.close()  # closing twice is harmless
+
+    def test_concurrent_puts_and_gets_from_threads(self, tier):
+        keys = make_keys(16, salt="threads")
+        errors = []
+
+        def writer():
+            try:
+                for key in keys:
+                    tier.put([(key, block_payload(key, self.block_bytes))])
+            except Exception as e:  # pragma: no cover - reported below
+                errors.append(e)
+
+        thread = threading.Thread(target=writer)
+        thread.start()
+        for _ in range(20):
+            for key, payload in zip(keys, tier.get(keys)):
+                assert payload is None or bytes(payload) == block_payload(key, self.block_bytes)
+        thread.join()
+        assert not errors and tier.exists(keys) == len(keys)
+
+    # ------------------------------------------------------------------ tenant isolation
+    def test_different_salts_never_hit_each_others_entries(self, tier):
+        from hypothesis import HealthCheck, assume, given, settings
+        from hypothesis import strategies as st
+
+        @settings(max_examples=25, deadline=None, suppress_health_check=list(HealthCheck))
+        @given(tokens=st.lists(st.integers(0, 2**32 - 1), min_size=4, max_size=12),
+               salt_a=st.one_of(st.none(), st.text(max_size=8)), salt_b=st.text(max_size=8))
+        def check(tokens, salt_a, salt_b):
+            assume((salt_a or "") != salt_b)
+            keys_a = block_hashes(tokens, 4, chain_seed("testing-model", 4, salt_a))
+            keys_b = block_hashes(tokens, 4, chain_seed("testing-model", 4, salt_b))
+            tier.delete(keys_a + keys_b)  # examples may repeat
+            tier.put([(k, block_payload(k, self.block_bytes)) for k in keys_a])
+            assert tier.exists(keys_b) == 0
+            assert tier.get(keys_b) == [None] * len(keys_b)
+            tier.put([(k, block_payload(k, self.block_bytes)) for k in keys_b])
+            got_a = tier.get(keys_a)
+            assert [bytes(p) for p in got_a] == [block_payload(k, self.block_bytes) for k in keys_a]
+
+        check()

@@ -1,0 +1,277 @@
+"""The storage tier interface: whole KV blocks stored by their chained hash.
+
+A tier is a small zarr-like store. Subclasses implement five batch primitives on *entries*
+(header + payload, see :mod:`corekv.block_format`): ``_read_entries``, ``_write_entries``,
+``_contains_entries``, ``_delete_entries`` and the usage properties. The public methods here add
+what every tier must do the same way: argument checks, encoding on ``put``, validation on ``get``
+(a bad entry is a miss, counted as a fault, logged once per reason, and deleted), statistics, and
+the closed check. The cache manager calls only the public methods.
+
+Factory convention (what :func:`make_tier` passes to ``TierSpec.factory``)::
+
+    factory(**options, block_bytes=int, fingerprint=bytes, dtype=str, shape=tuple[int, ...])
+
+``options`` are the tier's validated ``cache.tiers[i]`` fields; ``fingerprint`` is the model
+fingerprint digest; ``dtype``/``shape`` describe one block (``prod(shape) * itemsize ==
+block_bytes``). A factory may accept ``name`` too; :func:`make_tier` passes it when given.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+from abc import ABC, abstractmethod
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any
+
+from corekv.block_format import EntryCodec, EntryError, EntryFault
+from corekv.errors import ConfigError, PluginError
+
+BlockHash = bytes
+Payload = memoryview  # a read-only view of a block's validated bytes; bytes(p) copies it
+STAT_NAMES = ("hits", "misses", "bytes_read", "bytes_written", "puts", "skips", "evictions",
+              "faults", "errors")
+logger = logging.getLogger("corekv.tier")
+
+
+class Tier(ABC):
+    """A store of whole KV blocks keyed by chained block hash.
+
+    Invariants: ``get`` never returns bytes that failed the header and checksum checks; a failed
+    entry is gone after the ``get`` that found it; ``put`` and ``get`` never raise because the
+    store is full, down or corrupt (they skip or miss and count it). Public methods take one lock,
+    so the cache manager may offload from a background thread while the step thread loads.
+
+    Capabilities (class attributes): ``is_persistent`` (outlives the process), ``is_shared``
+    (other processes or machines see the same entries), ``supports_ttl``, ``supports_listing``
+    (``keys()`` works).
+    """
+
+    is_persistent = False
+    is_shared = False
+    supports_ttl = False
+    supports_listing = False
+
+    def __init__(self, *, block_bytes: int, fingerprint: bytes, dtype: str = "uint8",
+                 shape: Sequence[int] | None = None, name: str | None = None):
+        if not isinstance(block_bytes, int) or isinstance(block_bytes, bool) or block_bytes <= 0:
+            raise ValueError(f"block_bytes must be a positive int, got {block_bytes!r}; pass the "
+                             "size of one block's KV in bytes")
+        shape = (block_bytes,) if shape is None and dtype == "uint8" else shape
+        if shape is None:
+            raise ValueError(f"shape is required for dtype {dtype!r}; pass the block's KV shape")
+        self.codec = EntryCodec(fingerprint=fingerprint, dtype=dtype, shape=shape)
+        if self.codec.payload_bytes != block_bytes:
+            raise ValueError(f"block_bytes={block_bytes} does not match dtype {dtype!r} and shape "
+                             f"{tuple(shape)} ({self.codec.payload_bytes} bytes); pass consistent values")
+        self.block_bytes = block_bytes
+        self.name = name or type(self).__name__
+        #: 12 hex digits of the model digest: the key prefix of tiers shared between models
+        self.fp12 = self.codec.model_digest.hex()[:12]
+        self._stats = dict.fromkeys(STAT_NAMES, 0)
+        self._logged_faults: set[EntryFault] = set()
+        self._lock = threading.RLock()
+        self._is_closed = False
+
+    # ---------------------------------------------------------------- public batch API
+    def exists(self, keys: Sequence[BlockHash]) -> int:
+        """Length of the leading run of ``keys`` present (entries are not validated here)."""
+        keys = self._check_keys(keys, "keys")
+        if not keys:
+            return 0
+        with self._lock:
+            self._check_open()
+            present = self._contains_entries(keys)
+        run = 0
+        for is_present in present:
+            if not is_present:
+                break
+            run += 1
+        return run
+
+    def get(self, keys: Sequence[BlockHash]) -> list[Payload | None]:
+        """Validated payloads in ``keys`` order; ``None`` for a miss or a rejected entry."""
+        keys = self._check_keys(keys, "keys")
+        with self._lock:
+            self._check_open()
+            entries = self._read_entries(keys) if keys else []
+            payloads: list[Payload | None] = []
+            bad_keys = []
+            for key, entry in zip(keys, entries):
+                payload = None
+                if entry is not None:
+                    try:
+                        payload = self.codec.decode(entry)
+                    except EntryError as e:
+                        self._record_fault(key, e)
+                        bad_keys.append(key)
+                payloads.append(payload)
+            if bad_keys:
+                self._delete_entries(bad_keys)
+            num_hits = sum(p is not None for p in payloads)
+            self._stats["hits"] += num_hits
+            self._stats["misses"] += len(keys) - num_hits
+            self._stats["bytes_read"] += num_hits * self.block_bytes
+        return payloads
+
+    def put(self, items: Sequence[tuple[BlockHash, Any]]) -> int:
+        """Store ``(key, payload)`` pairs; returns how many are stored (or were already).
+
+        A tier that is full, down or unable to take an item skips it and counts a skip.
+        """
+        if not isinstance(items, Sequence) or isinstance(items, (bytes, str)):
+            raise TypeError(f"items must be a sequence of (key, payload) pairs, got {type(items).__name__}")
+        self._check_keys([item[0] for item in items], "items[i][0]")
+        encoded = [(key, (self.codec.header(payload), payload)) for key, payload in items]
+        if not encoded:
+            return 0
+        with self._lock:
+            self._check_open()
+            num_stored = self._write_entries(encoded)
+            self._stats["skips"] += len(encoded) - num_stored
+        return num_stored
+
+    def delete(self, keys: Sequence[BlockHash]) -> None:
+        """Remove ``keys``; absent keys are ignored."""
+        keys = self._check_keys(keys, "keys")
+        if keys:
+            with self._lock:
+                self._check_open()
+                self._delete_entries(keys)
+
+    # ---------------------------------------------------------------- single-key helpers
+    def get_one(self, key: BlockHash) -> Payload | None:
+        return self.get([key])[0]
+
+    def put_one(self, key: BlockHash, payload) -> bool:
+        return self.put([(key, payload)]) == 1
+
+    def contains(self, key: BlockHash) -> bool:
+        return self.exists([key]) == 1
+
+    def delete_one(self, key: BlockHash) -> None:
+        self.delete([key])
+
+    # ---------------------------------------------------------------- usage, stats, lifetime
+    @property
+    @abstractmethod
+    def capacity_bytes(self) -> int | None:
+        """Bytes the tier may hold (``None``: unbounded or decided by the server)."""
+
+    @property
+    @abstractmethod
+    def used_bytes(self) -> int:
+        """Bytes the tier holds now (best effort for remote stores)."""
+
+    @property
+    @abstractmethod
+    def num_entries(self) -> int:
+        """Entries the tier holds now (for shared stores: every process's entries of this model)."""
+
+    def stats(self) -> dict[str, int]:
+        """Counters since this tier object was created: ``STAT_NAMES``."""
+        with self._lock:
+            return dict(self._stats)
+
+    def keys(self) -> Iterator[BlockHash]:
+        """Every key of this model in the tier (only when ``supports_listing``)."""
+        raise NotImplementedError(f"tier {self.name!r} cannot list its keys (supports_listing=False)")
+
+    def close(self) -> None:
+        with self._lock:
+            if not self._is_closed:
+                self._is_closed = True
+                self._close()
+
+    @property
+    def is_closed(self) -> bool:
+        return self._is_closed
+
+    def __enter__(self) -> Tier:
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(name={self.name!r}, block_bytes={self.block_bytes}, model={self.fp12})"
+
+    # ---------------------------------------------------------------- primitives to implement
+    @abstractmethod
+    def _read_entries(self, keys: list[BlockHash]) -> list[Any]:
+        """Raw entries (bytes-like) or ``None`` per key; errors of a remote store are misses."""
+
+    @abstractmethod
+    def _write_entries(self, items: list[tuple[BlockHash, tuple[Any, ...]]]) -> int:
+        """Store each key's entry, given as buffers to concatenate (header, payload); return
+        the number stored or already present. Count evictions in ``self._stats``."""
+
+    @abstractmethod
+    def _contains_entries(self, keys: list[BlockHash]) -> list[bool]:
+        """Presence per key (may stop early after the first ``False``, padding with ``False``)."""
+
+    @abstractmethod
+    def _delete_entries(self, keys: list[BlockHash]) -> None:
+        """Remove keys; absent keys are ignored."""
+
+    def _close(self) -> None:
+        """Release resources (called once)."""
+
+    # ---------------------------------------------------------------- helpers
+    def _record_fault(self, key: BlockHash, error: EntryError) -> None:
+        self._stats["faults"] += 1
+        # NOTE: a corrupt store yields a fault per block; one warning per reason is enough to act
+        # on, the rest would flood the log on the step path.
+        level = logging.DEBUG if error.reason in self._logged_faults else logging.WARNING
+        self._logged_faults.add(error.reason)
+        logger.log(level, "tier %s: rejected entry %s (%s); treated as a miss and deleted",
+                   self.name, key.hex(), error)
+
+    def _check_open(self) -> None:
+        if self._is_closed:
+            raise RuntimeError(f"tier {self.name!r} is closed; create a new one to use it again")
+
+    @staticmethod
+    def _check_keys(keys: Sequence[BlockHash], argument: str) -> list[BlockHash]:
+        if isinstance(keys, (bytes, bytearray, str)) or not isinstance(keys, Sequence):
+            raise TypeError(f"{argument} must be a sequence of block hashes (bytes), got "
+                            f"{type(keys).__name__}; wrap a single key in a list")
+        for key in keys:
+            if not isinstance(key, bytes) or not key:
+                raise TypeError(f"{argument} must hold non-empty bytes block hashes, got {key!r}; "
+                                "use corekv.hashing.block_hashes() to make keys")
+        return list(keys)
+
+
+def make_tier(spec, options: Mapping[str, Any], *, block_bytes: int, fingerprint: bytes,
+              dtype: str = "uint8", shape: Sequence[int] | None = None,
+              name: str | None = None) -> Tier:
+    """Build a tier from its :class:`corekv.plugin.TierSpec` and its ``cache.tiers[i]`` options.
+
+    Absent options take their declared defaults; unknown or missing required ones raise
+    :class:`ConfigError`; a factory that fails raises :class:`PluginError` naming the plugin.
+    """
+    where = f"cache.tiers ({spec.name})"
+    unknown = sorted(set(options) - set(spec.options))
+    if unknown:
+        raise ConfigError(f"{where}: unknown option(s) {unknown}; expected some of {sorted(spec.options)}")
+    kwargs = {}
+    for option_name, option in spec.options.items():
+        if option_name in options:
+            kwargs[option_name] = options[option_name]
+        elif option.is_required:
+            raise ConfigError(f"{where}: option {option_name!r} is required ({option.help}); add it")
+        else:
+            kwargs[option_name] = option.default
+    extra = {"name": name} if name is not None else {}
+    try:
+        tier = spec.factory(**kwargs, block_bytes=block_bytes, fingerprint=fingerprint, dtype=dtype,
+                            shape=tuple(shape) if shape is not None else None, **extra)
+    except (ConfigError, PluginError):
+        raise
+    except Exception as e:
+        raise PluginError(f"tier {spec.name!r} (plugin {spec.plugin or '?'!r}) failed to start: "
+                          f"{type(e).__name__}: {e}") from e
+    if not isinstance(tier, Tier):
+        raise PluginError(f"tier {spec.name!r} (plugin {spec.plugin or '?'!r}) factory returned "
+                          f"{type(tier).__name__}, expected a corekv.tier.Tier subclass")
+    return tier
