@@ -1,1 +1,237 @@
-"""(being written)"""
+"""``hash_blocks``: the vLLM-style prefix cache, a hash -> block map whose free queue is the LRU.
+
+Only full blocks are cached, each under the chained hash of its whole prefix
+(:mod:`corekv.hashing`), so one dict lookup per block finds the longest cached prefix. A block whose
+last reference goes keeps its content and hash and waits in the free queue, where it can still be
+hit; only when ``allocate`` takes it for new content is its hash dropped (and offered to
+``on_evict`` for write-back first).
+"""
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Sequence
+
+from corekv.backend import BlockEvent, EvictedBlock, PrefixCacheBackend
+from corekv.hashing import BlockHash, PrefixKey
+from corekv.plugin import BackendSpec, Option, hookimpl
+from corekv.plugins._pinning import PinBook, _check_key
+
+
+class HashBlockBackend(PrefixCacheBackend):
+    """Chained-hash block cache with reference counts and an LRU free queue.
+
+    Invariants:
+
+    * ``_ref[b] >= 0``; ``b`` is in ``_free_queue`` iff ``_ref[b] == 0`` (free or cached-idle);
+    * ``_block_hash[b] == h`` iff ``_hash_to_block[h] == b`` (a hash maps to at most one block; a
+      block holding a duplicate of a cached prefix has no hash and is private to its owner);
+    * the free queue is in eviction order: uncached blocks first (reused before any cached one),
+      then cached-idle blocks from least to most recently released; a request's blocks are released
+      tail first, so a prefix's last block is evicted before its first;
+    * pinned blocks hold an extra reference (:class:`~corekv.plugins._pinning.PinBook`), so they
+      never reach the free queue.
+    """
+
+    name = "hash_blocks"
+
+    def __init__(self, num_blocks: int, block_size: int, *, max_pinned_fraction: float = 0.2,
+                 record_events: bool = True):
+        super().__init__(num_blocks, block_size, max_pinned_fraction=max_pinned_fraction)
+        if not isinstance(record_events, bool):
+            raise TypeError(f"record_events must be True or False, got {record_events!r}")
+        self.record_events = record_events
+        self._ref = [0] * num_blocks
+        self._block_hash: list[BlockHash | None] = [None] * num_blocks
+        self._hash_to_block: dict[BlockHash, int] = {}
+        # NOTE: an OrderedDict keyed by block id, not an intrusive linked list: it gives the same
+        # O(1) pop-from-head, append and removal from the middle (a hit touched out of the queue),
+        # but every step runs in C, whereas a Python-level list costs several attribute writes and
+        # a node object per block. move_to_end(last=False) puts uncached blocks at the head.
+        self._free_queue: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+        self._events: list[BlockEvent] = []
+        self._pins = PinBook(self.max_pinned_blocks)
+        self.num_evicted_blocks = 0
+
+    # -- lookup ------------------------------------------------------------------------------
+    def match(self, key: PrefixKey, max_blocks: int | None = None) -> list[int]:
+        _check_key(key, self)
+        hashes = key.block_hashes
+        if max_blocks is not None:
+            _check_count("max_blocks", max_blocks)
+            hashes = hashes[:max_blocks]
+        # NOTE: one C-level pass (map + index) instead of a Python loop per block.
+        block_ids = list(map(self._hash_to_block.get, hashes))
+        if None in block_ids:
+            del block_ids[block_ids.index(None):]
+        return block_ids
+
+    # -- ownership ---------------------------------------------------------------------------
+    def acquire(self, block_ids: Sequence[int]) -> None:
+        self._check_ids("block_ids", block_ids)
+        ref, free_queue, block_hash = self._ref, self._free_queue, self._block_hash
+        for i, b in enumerate(block_ids):
+            r = ref[b]
+            if r == 0:
+                if block_hash[b] is None:
+                    self.free(block_ids[:i])
+                    raise ValueError(f"block {b} in block_ids is free (neither cached nor in use); "
+                                     "acquire only blocks returned by match()")
+                del free_queue[b]
+            ref[b] = r + 1
+
+    def allocate(self, num_blocks: int) -> list[int] | None:
+        _check_count("num_blocks", num_blocks)
+        free_queue = self._free_queue
+        if num_blocks > len(free_queue):
+            return None
+        ref, block_hash, hash_to_block = self._ref, self._block_hash, self._hash_to_block
+        popitem = free_queue.popitem
+        block_ids = []
+        evicted: list[EvictedBlock] = []
+        for _ in range(num_blocks):
+            b = popitem(last=False)[0]
+            h = block_hash[b]
+            if h is not None:
+                del hash_to_block[h]
+                block_hash[b] = None
+                evicted.append(EvictedBlock(h, b))
+            ref[b] = 1
+            block_ids.append(b)
+        if evicted:
+            self._report_evicted(block_ids, evicted)
+        return block_ids
+
+    def cache(self, key: PrefixKey, block_ids: Sequence[int]) -> None:
+        _check_key(key, self)
+        hashes = key.block_hashes
+        if len(block_ids) > len(hashes):
+            raise ValueError(f"block_ids has {len(block_ids)} blocks but key has only {len(hashes)} "
+                             "full blocks; pass the block ids of full blocks only")
+        self._check_ids("block_ids", block_ids)
+        ref, block_hash, hash_to_block = self._ref, self._block_hash, self._hash_to_block
+        stored = []
+        for b, h in zip(block_ids, hashes):
+            current = block_hash[b]
+            if current is not None:
+                if current != h:
+                    raise ValueError(f"block {b} already caches another prefix; a cached block "
+                                     "cannot be cached again under a different key")
+                continue
+            if ref[b] == 0:
+                raise ValueError(f"block {b} is not held by the caller; cache() takes blocks from "
+                                 "allocate() or acquire() that are still referenced")
+            if h in hash_to_block:  # the same prefix is cached in another block: stay private
+                continue
+            hash_to_block[h] = b
+            block_hash[b] = h
+            stored.append(h)
+        if stored and self.record_events:
+            self._events.append(BlockEvent("stored", tuple(stored)))
+
+    def free(self, block_ids: Sequence[int]) -> None:
+        self._check_ids("block_ids", block_ids)
+        ref, free_queue, block_hash = self._ref, self._free_queue, self._block_hash
+        if 0 in map(ref.__getitem__, block_ids):
+            b = next(b for b in block_ids if ref[b] == 0)
+            raise ValueError(f"block {b} in block_ids is not in use (reference count 0); free each "
+                             "block once per allocate()/acquire()")
+        move_to_end = free_queue.move_to_end
+        for b in reversed(block_ids):
+            r = ref[b] - 1
+            assert r >= 0, "a block listed twice in one free() call; this indicates a bug in the caller"
+            ref[b] = r
+            if r == 0:
+                free_queue[b] = None
+                if block_hash[b] is None:
+                    move_to_end(b, last=False)
+
+    # -- pinning -----------------------------------------------------------------------------
+    def pin(self, key: PrefixKey) -> int:
+        return self._pins.pin(self, key)
+
+    def unpin(self, key: PrefixKey) -> int:
+        return self._pins.unpin(self, key)
+
+    # -- accounting --------------------------------------------------------------------------
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self._free_queue)
+
+    @property
+    def num_pinned_blocks(self) -> int:
+        return self._pins.num_pinned_blocks
+
+    @property
+    def num_cached_blocks(self) -> int:
+        return len(self._hash_to_block)
+
+    def block_hash(self, block_id: int) -> BlockHash | None:
+        self._check_ids("block_id", [block_id])
+        return self._block_hash[block_id]
+
+    def ref_count(self, block_id: int) -> int:
+        """References held on ``block_id`` (requests and pins)."""
+        self._check_ids("block_id", [block_id])
+        return self._ref[block_id]
+
+    def take_events(self) -> list[BlockEvent]:
+        events, self._events = self._events, []
+        return events
+
+    def reset(self) -> None:
+        if len(self._free_queue) != self.num_blocks:
+            raise RuntimeError(f"reset() needs every block released, but "
+                               f"{self.num_blocks - len(self._free_queue)} are in use (pinned ones "
+                               "included); free them and unpin first")
+        if self._hash_to_block and self.record_events:
+            self._events.append(BlockEvent("removed", tuple(self._hash_to_block)))
+        self._hash_to_block.clear()
+        self._block_hash = [None] * self.num_blocks
+        self._free_queue = OrderedDict.fromkeys(range(self.num_blocks))
+        self._pins.clear()
+
+    def stats(self) -> dict[str, int]:
+        return {**super().stats(), "num_cached_blocks": self.num_cached_blocks,
+                "num_evicted_blocks": self.num_evicted_blocks}
+
+    # -- helpers -----------------------------------------------------------------------------
+    def _report_evicted(self, block_ids: list[int], evicted: list[EvictedBlock]) -> None:
+        if self.on_evict is not None:
+            try:
+                self.on_evict(evicted)
+            except BaseException:
+                # NOTE: undo the allocation so a failing write-back leaves the cache as it was.
+                for e in evicted:
+                    self._block_hash[e.block_id] = e.block_hash
+                    self._hash_to_block[e.block_hash] = e.block_id
+                for b in reversed(block_ids):
+                    self._ref[b] = 0
+                    self._free_queue[b] = None
+                    self._free_queue.move_to_end(b, last=False)
+                raise
+        self.num_evicted_blocks += len(evicted)
+        if self.record_events:
+            self._events.append(BlockEvent("removed", tuple(e.block_hash for e in evicted)))
+
+    def _check_ids(self, name: str, block_ids: Sequence[int]) -> None:
+        if block_ids and (min(block_ids) < 0 or max(block_ids) >= self.num_blocks):
+            bad = next(b for b in block_ids if not 0 <= b < self.num_blocks)
+            raise ValueError(f"{name} contains block id {bad}, expected ids in "
+                             f"[0, {self.num_blocks}); pass ids this backend handed out")
+
+
+def _check_count(name: str, value: object) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        raise ValueError(f"{name} must be an int >= 0, got {value!r}")
+
+
+@hookimpl
+def corekv_register_backends() -> list[BackendSpec]:
+    return [BackendSpec(
+        name="hash_blocks",
+        factory=HashBlockBackend,
+        options={"record_events": Option(
+            "bool", default=True,
+            help="keep stored/removed BlockEvents for take_events() (KV-event publishers)")},
+        description="vLLM-style chained-hash blocks; the free queue is the LRU",
+    )]
