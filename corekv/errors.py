@@ -1,4 +1,5 @@
 """corekv's exception types. Every message says what was received, what was expected, and the fix."""
+from __future__ import annotations
 
 
 class CoreKVError(Exception):
@@ -6,7 +7,15 @@ class CoreKVError(Exception):
 
 
 class ConfigError(CoreKVError, ValueError):
-    """A configuration value is invalid; the message names the field path (``cache.tiers[1].size``)."""
+    """A configuration value is invalid; the message names the field path (``cache.tiers[1].size``).
+
+    :ivar path: that field path (``None`` when the error is about the whole file), so callers and
+        tests can tell which field was rejected without parsing the message.
+    """
+
+    def __init__(self, message: str, *, path: str | None = None):
+        super().__init__(message)
+        self.path = path
 
 
 class PluginError(CoreKVError):
