@@ -1,1 +1,259 @@
-"""(being written)"""
+"""``lmdb``: KV blocks in an LMDB environment on local disk, shared by the machine's processes."""
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from collections.abc import Iterator, Sequence
+
+import lmdb
+
+from corekv.plugin import Option, TierSpec, hookimpl
+from corekv.tier import BlockHash, Tier
+
+logger = logging.getLogger("corekv.tier")
+_open_paths: set[str] = set()
+_open_paths_lock = threading.Lock()
+_KEY_PREFIX_BYTES = 6
+_FLUSH_ACCESS_EVERY = 256
+_EPOCH_KEY = b"\x00corekv-epoch"  # in the access DB; never a block key (those are 22+ bytes)
+
+
+class LMDBTier(Tier):
+    """One LMDB entry per block, keyed ``model digest[:6] + block hash``, evicted by LRU.
+
+    Invariants: named DB ``blocks`` maps key -> entry, ``access`` maps key -> last access time
+    (ns, little-endian u64), written in the same transaction as the block, so a crash leaves both
+    or neither; hits update ``access`` in batches (on the next write, every 256 hits, and on close);
+    before a write that would take the live pages above ``evict_high`` of the map, the oldest
+    entries (of any model) are deleted down to ``evict_low``. LMDB's own lock file serialises
+    writers across processes and readers never block; one process opens a path at most once
+    (LMDB's rule), which this class enforces.
+    """
+
+    is_persistent = True
+    is_shared = True
+    supports_listing = True
+
+    def __init__(self, *, path: str, size: int, block_bytes: int, fingerprint: bytes,
+                 dtype: str = "uint8", shape: Sequence[int] | None = None, name: str | None = None,
+                 max_readers: int = 126, sync: bool = True, evict_high: float = 0.9,
+                 evict_low: float = 0.8):
+        super().__init__(block_bytes=block_bytes, fingerprint=fingerprint, dtype=dtype, shape=shape,
+                         name=name or "lmdb")
+        if not isinstance(path, (str, os.PathLike)) or not str(path):
+            raise ValueError(f"path must be a directory path, got {path!r}; set cache.tiers[].path")
+        if not isinstance(size, int) or size < 4 * self.codec.entry_bytes:
+            raise ValueError(f"size must be at least 4 block entries ({4 * self.codec.entry_bytes} "
+                             f"bytes), got {size!r}; raise cache.tiers[].size (e.g. 20GiB)")
+        if not 0 < evict_low < evict_high <= 1:
+            raise ValueError(f"evict_low={evict_low!r} and evict_high={evict_high!r} must satisfy "
+                             "0 < evict_low < evict_high <= 1 (fractions of size), e.g. 0.8 and 0.9")
+        self.path = os.path.realpath(os.fspath(path))
+        with _open_paths_lock:
+            if self.path in _open_paths:
+                raise ValueError(f"LMDB path {self.path!r} is already open in this process; LMDB "
+                                 "forbids opening it twice: share the one LMDBTier object")
+            os.makedirs(self.path, exist_ok=True)
+            self.env = lmdb.open(self.path, map_size=size, max_dbs=2, max_readers=max_readers,
+                                 lock=True, subdir=True, sync=sync, metasync=sync)
+            _open_paths.add(self.path)
+        # NOTE: a process killed while reading leaves a stale reader slot that would pin old
+        # pages forever (the map then fills up); clearing them on open keeps eviction effective.
+        self.env.reader_check()
+        self._blocks = self.env.open_db(b"blocks")
+        self._access = self.env.open_db(b"access")
+        self._page_bytes = self.env.stat()["psize"]
+        self._key_prefix = self.codec.model_digest[:_KEY_PREFIX_BYTES]
+        self._pending_access: dict[bytes, int] = {}
+        self.evict_high, self.evict_low = evict_high, evict_low
+        self._is_full_logged = False
+
+    # ---------------------------------------------------------------- usage
+    @property
+    def capacity_bytes(self) -> int:
+        return self.env.info()["map_size"]
+
+    @property
+    def used_bytes(self) -> int:
+        with self.env.begin() as txn:
+            return self._live_bytes(txn)
+
+    @property
+    def num_entries(self) -> int:
+        with self.env.begin() as txn:
+            cursor = txn.cursor(db=self._blocks)
+            if not cursor.set_range(self._key_prefix):
+                return 0
+            return sum(1 for key in cursor.iternext(values=False) if key.startswith(self._key_prefix))
+
+    def keys(self) -> Iterator[BlockHash]:
+        with self._lock, self.env.begin() as txn:
+            cursor = txn.cursor(db=self._blocks)
+            found = []
+            if cursor.set_range(self._key_prefix):
+                for key in cursor.iternext(values=False):
+                    if not key.startswith(self._key_prefix):
+                        break
+                    found.append(key[_KEY_PREFIX_BYTES:])
+        return iter(found)
+
+    # ---------------------------------------------------------------- primitives
+    def _read_entries(self, keys: list[BlockHash]) -> list[bytes | None]:
+        try:
+            with self.env.begin() as txn:
+                entries = [txn.get(self._key_prefix + key, db=self._blocks) for key in keys]
+        except lmdb.Error as e:
+            self._count_error("read", e)
+            return [None] * len(keys)
+        now = time.time_ns()
+        for key, entry in zip(keys, entries):
+            if entry is not None:
+                self._pending_access[self._key_prefix + key] = now
+        if len(self._pending_access) >= _FLUSH_ACCESS_EVERY:
+            self._write_txn([])
+        return entries
+
+    def _write_entries(self, items) -> int:
+        need = sum(self._pages_for(sum(len(p) for p in parts)) for _, parts in items)
+        map_bytes = self.capacity_bytes
+        try:
+            if self.used_bytes + need > self.evict_high * map_bytes:
+                self._evict(int(self.evict_low * map_bytes) - need)
+                self._bump_epoch()
+            for attempt in range(2):
+                try:
+                    return self._write_txn(items)
+                except lmdb.MapFullError:
+                    # NOTE: freed pages are reusable only after the deleting transaction commits
+                    # and older readers finish, so a first eviction can still leave the map full.
+                    if attempt == 0:
+                        self._evict(int(self.evict_low * map_bytes) - 2 * need)
+                        self._bump_epoch()
+            if not self._is_full_logged:
+                logger.warning("tier %s: LMDB map at %s is full even after eviction; skipping "
+                               "writes (raise its size)", self.name, self.path)
+                self._is_full_logged = True
+            return self._write_one_by_one(items)
+        except lmdb.Error as e:
+            self._count_error("write", e)
+            return 0
+
+    def _contains_entries(self, keys: list[BlockHash]) -> list[bool]:
+        try:
+            with self.env.begin(buffers=True) as txn:
+                return [txn.get(self._key_prefix + key, db=self._blocks) is not None for key in keys]
+        except lmdb.Error as e:
+            self._count_error("read", e)
+            return [False] * len(keys)
+
+    def _delete_entries(self, keys: list[BlockHash]) -> None:
+        try:
+            with self.env.begin(write=True) as txn:
+                for key in keys:
+                    txn.delete(self._key_prefix + key, db=self._blocks)
+                    txn.delete(self._key_prefix + key, db=self._access)
+                    self._pending_access.pop(self._key_prefix + key, None)
+        except lmdb.Error as e:
+            self._count_error("delete", e)
+
+    def _close(self) -> None:
+        try:
+            if self._pending_access:
+                self._write_txn([])
+        except lmdb.Error as e:
+            self._count_error("close", e)
+        finally:
+            self.env.close()
+            with _open_paths_lock:
+                _open_paths.discard(self.path)
+
+    # ---------------------------------------------------------------- helpers
+    def _write_txn(self, items) -> int:
+        now = time.time_ns().to_bytes(8, "little")
+        num_written = num_bytes = 0
+        with self.env.begin(write=True) as txn:
+            for db_key, stamp in self._pending_access.items():
+                if txn.get(db_key, db=self._blocks) is not None:  # it may have been evicted since
+                    txn.put(db_key, stamp.to_bytes(8, "little"), db=self._access)
+            for key, parts in items:
+                db_key = self._key_prefix + key
+                entry = parts[0] if len(parts) == 1 else b"".join(parts)
+                if txn.put(db_key, entry, db=self._blocks, overwrite=False):
+                    num_written += 1
+                    num_bytes += len(entry)
+                txn.put(db_key, now, db=self._access)
+        self._pending_access.clear()
+        self._stats["puts"] += num_written
+        self._stats["bytes_written"] += num_bytes
+        return len(items)
+
+    def _write_one_by_one(self, items) -> int:
+        num_stored = 0
+        for item in items:
+            try:
+                num_stored += self._write_txn([item])
+            except lmdb.MapFullError:
+                break
+        return num_stored
+
+    def _evict(self, target_bytes: int) -> None:
+        """Delete least recently used entries (of any model) until live pages fit target_bytes."""
+        num_evicted = 0
+        with self.env.begin(write=True, buffers=True) as txn:
+            live = self._live_bytes(txn)
+            if live <= target_bytes:
+                return
+            stamped = {bytes(k): int.from_bytes(v, "little") for k, v in txn.cursor(db=self._access)}
+            order = sorted(((stamped.get(bytes(k), 0), bytes(k))
+                            for k in txn.cursor(db=self._blocks).iternext(values=False)))
+            for _, db_key in order:
+                if live <= target_bytes:
+                    break
+                live -= self._pages_for(len(txn.get(db_key, db=self._blocks)))
+                txn.delete(db_key, db=self._blocks)
+                txn.delete(db_key, db=self._access)
+                num_evicted += 1
+        self._stats["evictions"] += num_evicted
+
+    def _bump_epoch(self) -> None:
+        # NOTE: LMDB reuses pages freed by transaction T only from transaction T + 2 on (the
+        # previous snapshot stays intact for a reader that may still open it). One tiny commit
+        # after an eviction makes the evicted pages available to the write that follows.
+        with self.env.begin(write=True) as txn:
+            epoch = int.from_bytes(txn.get(_EPOCH_KEY, b"", db=self._access), "little") + 1
+            txn.put(_EPOCH_KEY, epoch.to_bytes(8, "little"), db=self._access)
+
+    def _live_bytes(self, txn) -> int:
+        pages = 0
+        for stat in (self.env.stat(), txn.stat(self._blocks), txn.stat(self._access)):
+            pages += stat["branch_pages"] + stat["leaf_pages"] + stat["overflow_pages"]
+        return pages * self._page_bytes
+
+    def _pages_for(self, num_bytes: int) -> int:
+        """Bytes of the overflow pages an entry of ``num_bytes`` occupies (16: page header)."""
+        return -(-(num_bytes + 16) // self._page_bytes) * self._page_bytes
+
+    def _count_error(self, what: str, error: Exception) -> None:
+        self._stats["errors"] += 1
+        logger.warning("tier %s: LMDB %s failed (%s: %s); treated as a miss/skip",
+                       self.name, what, type(error).__name__, error)
+
+
+@hookimpl
+def corekv_register_tiers() -> list[TierSpec]:
+    return [TierSpec(
+        name="lmdb",
+        factory=LMDBTier,
+        options={
+            "path": Option("str", help="directory of the LMDB environment, e.g. ./kvstore"),
+            "size": Option("size", default=20 * 1024**3, help="LMDB map size (disk bytes)", minimum=1),
+            "max_readers": Option("int", default=126, help="reader slots (threads x processes)", minimum=1),
+            "sync": Option("bool", default=True, help="fsync each commit (off: faster, a power "
+                           "loss may drop the last writes)"),
+            "evict_high": Option("float", default=0.9, help="evict when this full", minimum=0),
+            "evict_low": Option("float", default=0.8, help="evict down to this fraction", minimum=0),
+        },
+        description="KV blocks in an LMDB file on local disk, LRU, shared by the machine's processes",
+    )]
