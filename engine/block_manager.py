@@ -1,0 +1,130 @@
+"""The engine's side of block ownership: sequences' block tables over the backend's pool.
+
+The prefix-cache backend owns residency (which blocks are free, cached, evictable, pinned); this
+module decides which blocks a sequence holds: the matched prefix, fresh blocks for the rest,
+a new block when decoding crosses a block boundary, and a private copy of a block shared with a
+forked sibling before writing into it (copy-on-write).
+"""
+from __future__ import annotations
+
+from collections import Counter
+
+from corekv.backend import PrefixCacheBackend
+from corekv.engine.sequence import Sequence
+
+__all__ = ["BlockManager"]
+
+
+def blocks_for(num_tokens: int, block_size: int) -> int:
+    """Blocks needed to hold ``num_tokens`` tokens of KV."""
+    return -(-num_tokens // block_size)
+
+
+class BlockManager:
+    """Gives sequences their blocks from a :class:`PrefixCacheBackend`.
+
+    Invariants:
+
+    * the engine holds exactly one backend reference per distinct block in any running block
+      table; ``shared_refs[b]`` counts the *extra* tables (forked siblings) holding ``b``, so a
+      block goes back to the backend only when its last holder frees it;
+    * a block with ``shared_refs[b] > 0`` is never written: ``append_slot`` copies it into a
+      fresh block first (copy-on-write), and the writer drops its share of the original.
+
+    NOTE: siblings share through ``shared_refs`` and not through backend references because the
+    backend only counts references on blocks it can hand out (matched or allocated); a prompt's
+    last, partially filled block is never cached, so ``backend.acquire`` cannot share it. Keeping
+    every fork share here treats full and partial blocks alike, with or without prefix caching.
+    """
+
+    def __init__(self, backend: PrefixCacheBackend, kv_pool, *, enable_prefix_caching: bool = True):
+        self.backend = backend
+        self.kv_pool = kv_pool
+        self.block_size = backend.block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.shared_refs: Counter[int] = Counter()
+        self.num_cow_copies = 0
+
+    # -- admission ---------------------------------------------------------------------------
+    def match(self, seq: Sequence) -> list[int]:
+        """The cached blocks ``seq`` would start with (read-only; at most all but the last token)."""
+        if not self.enable_prefix_caching:
+            return []
+        return self.backend.match(seq.key, max_blocks=(seq.num_tokens - 1) // self.block_size)
+
+    def allocate(self, seq: Sequence) -> bool:
+        """Give a waiting ``seq`` its matched prefix plus fresh blocks for all its tokens.
+
+        :returns: False (and no change) if the pool cannot supply the fresh blocks now.
+        """
+        assert not seq.block_table, f"allocate({seq}): the sequence already holds blocks; this indicates a bug in the scheduler"
+        hit = self.match(seq)
+        self.backend.acquire(hit)  # NOTE: first, so allocate() cannot evict the blocks we hit
+        fresh = self.backend.allocate(blocks_for(seq.num_tokens, self.block_size) - len(hit))
+        if fresh is None:
+            self.backend.free(hit)
+            return False
+        seq.block_table = hit + fresh
+        seq.num_computed_tokens = len(hit) * self.block_size
+        seq.num_cached_blocks = len(hit)
+        return True
+
+    # -- decoding ----------------------------------------------------------------------------
+    def append_slot(self, seq: Sequence) -> bool:
+        """Make sure the next token's slot is in a block ``seq`` may write.
+
+        :returns: False (and no change) if that needs a block and the pool has none.
+        """
+        index = seq.num_computed_tokens // self.block_size
+        if index == len(seq.block_table):
+            fresh = self.backend.allocate(1)
+            if fresh is None:
+                return False
+            seq.block_table.append(fresh[0])
+            return True
+        block_id = seq.block_table[index]
+        if not self.shared_refs.get(block_id):
+            return True
+        fresh = self.backend.allocate(1)
+        if fresh is None:
+            return False
+        self.kv_pool.copy_blocks([block_id], fresh)
+        self._drop_share(block_id)
+        seq.block_table[index] = fresh[0]
+        self.num_cow_copies += 1
+        return True
+
+    def cache_full_blocks(self, seq: Sequence) -> None:
+        """Offer ``seq``'s newly completed full blocks to the backend (they become hittable)."""
+        num_full = seq.num_computed_tokens // self.block_size
+        if self.enable_prefix_caching and num_full > seq.num_cached_blocks:
+            self.backend.cache(seq.key, seq.block_table[:num_full])
+            seq.num_cached_blocks = num_full
+
+    # -- sharing and release -----------------------------------------------------------------
+    def fork(self, parent: Sequence, child: Sequence) -> None:
+        """``child`` (a fork of ``parent``) now holds the same blocks: count the extra holder."""
+        assert child.block_table == parent.block_table, "fork: tables differ; this indicates a bug in Sequence.fork"
+        self.shared_refs.update(child.block_table)
+
+    def free(self, seq: Sequence) -> None:
+        """Release ``seq``'s blocks: shared ones lose a holder, the rest go back to the backend
+        in table order (the backend then evicts a prefix's tail before its head)."""
+        released = [b for b in seq.block_table if not self._drop_share(b)]
+        self.backend.free(released)
+        seq.block_table = []
+        seq.num_cached_blocks = 0
+
+    def num_blocks_needed(self, num_tokens: int) -> int:
+        return blocks_for(num_tokens, self.block_size)
+
+    def _drop_share(self, block_id: int) -> bool:
+        """Drop one extra holder of ``block_id``; False when there was none (the caller owns it)."""
+        count = self.shared_refs.get(block_id, 0)
+        if count == 0:
+            return False
+        if count == 1:
+            del self.shared_refs[block_id]
+        else:
+            self.shared_refs[block_id] = count - 1
+        return True

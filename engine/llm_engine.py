@@ -1,0 +1,396 @@
+"""The engine: requests in, text out, one :meth:`Engine.step` at a time.
+
+``step()`` is the whole loop: the scheduler picks this step's tokens, the model runner runs them in
+one forward, the sampler picks next tokens, the scheduler appends them and retires finished
+sequences. Everything else here is the public surface around it: building the parts from a config,
+``generate`` / ``stream`` / ``warm`` / ``unpin``, plugin hooks and ``stats``.
+"""
+from __future__ import annotations
+
+import difflib
+import itertools
+import logging
+import os
+import sys
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+from corekv.config import Config
+from corekv.errors import ConfigError, CoreKVError
+from corekv.hashing import PrefixKey, chain_seed
+from corekv.plugin import make_plugin_manager
+from corekv.engine.block_manager import BlockManager
+from corekv.engine.detokenizer import IncrementalDetokenizer
+from corekv.engine.kv_pool import KVPool
+from corekv.engine.model_runner import ModelRunner, ScheduledChunk
+from corekv.engine.models import LoadedModel, load_model
+from corekv.engine.outputs import RequestOutput
+from corekv.engine.sampling import Sampler, SamplingParams, make_generator
+from corekv.engine.scheduler import ScheduledSeq, Scheduler
+from corekv.engine.sequence import Sequence
+from corekv.engine.requests import (Request, RequestRejectedError, as_prompt_list, check_request_fits,
+                                    make_output, per_prompt)
+
+__all__ = ["Engine", "RequestRejectedError"]
+
+logger = logging.getLogger(__name__)
+
+
+class Engine:
+    """A paged-KV, continuously batching engine over one Hugging Face model.
+
+    Invariants: the KV pool, the backend and the block tables agree (a block is in at most one
+    running table unless shared by forks of one request, see :class:`BlockManager`); every
+    request added is eventually returned by ``step`` exactly once (finished or aborted).
+    """
+
+    def __init__(self, config: Config, *, model: LoadedModel | None = None, plugins: tuple = ()):
+        if not isinstance(config, Config):
+            raise TypeError(f"Engine(config=...) got {type(config).__name__}; expected a corekv.Config "
+                            "(use Engine.from_config for a mapping or a YAML path)")
+        if model is not None and not isinstance(model, LoadedModel):
+            raise TypeError(f"Engine(model=...) got {type(model).__name__}; expected a LoadedModel "
+                            "from corekv.engine.models.load_model, or None to load config.model")
+        self.config = config
+        ecfg = config.engine
+        self.plugin_manager = make_plugin_manager([*config.plugins, *plugins])
+        self.model = model or load_model(config.model, dtype=config.dtype, device=config.device,
+                                         plugin_manager=self.plugin_manager)
+        m = self.model
+        self.block_size = ecfg.block_size
+        num_blocks = ecfg.num_blocks or KVPool.num_blocks_for_memory(
+            ecfg.kv_cache_memory, num_layers=m.num_layers, block_size=ecfg.block_size,
+            num_kv_heads=m.num_kv_heads, head_dim=m.head_dim, dtype=m.dtype)
+        self.kv_pool = KVPool(m.num_layers, num_blocks, ecfg.block_size, m.num_kv_heads, m.head_dim,
+                              m.dtype, m.device)
+        self.backend = self._make_backend(num_blocks)
+        self.runner = ModelRunner(m, self.kv_pool)
+        self.sampler = Sampler()
+        # NOTE: chunked prefill is on unless the config says otherwise (EngineConfig may not carry
+        # the switch; a config subclass or a later version can).
+        self.enable_chunked_prefill = bool(getattr(ecfg, "enable_chunked_prefill", True))
+        self.blocks = BlockManager(self.backend, self.kv_pool,
+                                   enable_prefix_caching=ecfg.enable_prefix_caching)
+        self.scheduler = Scheduler(self.blocks, max_num_seqs=ecfg.max_num_seqs,
+                                   max_num_batched_tokens=ecfg.max_num_batched_tokens,
+                                   scheduling=ecfg.scheduling, enable_chunked_prefill=self.enable_chunked_prefill,
+                                   eos_token_ids=m.eos_token_ids, make_fork=self._fork)
+        self.max_model_len = getattr(m.hf_config, "max_position_embeddings", None)
+        self.num_steps = 0
+        self._requests: dict[str, Request] = {}
+        self._request_counter = itertools.count()
+        self._namespaces: dict[str | None, bytes] = {}
+        self._is_closed = False
+        logger.info("corekv engine: %s, %d KV blocks x %d tokens = %d tokens (%d bytes per token), backend %s",
+                    config.model, num_blocks, self.block_size, self.kv_pool.capacity_tokens,
+                    self.kv_pool.bytes_per_token, config.cache.backend)
+        self.plugin_manager.hook.corekv_on_engine_started(engine=self)
+
+    @classmethod
+    def from_config(cls, config: Config | Mapping | str | os.PathLike | None = None, *,
+                    model: LoadedModel | None = None, plugins: tuple = ()) -> Engine:
+        """Build an engine from a :class:`corekv.Config`, a mapping, or a YAML file path.
+
+        :param model: an already loaded model to serve instead of loading ``config.model``
+            (its dtype and device then win over ``config.dtype`` / ``config.device``).
+        :param plugins: extra plugin modules or objects, besides ``config.plugins``.
+        """
+        if not isinstance(config, Config):
+            from corekv.config import load_config
+            config = load_config(config)
+        return cls(config, model=model, plugins=tuple(plugins))
+
+    # -- lifecycle ---------------------------------------------------------------------------
+    def __enter__(self) -> Engine:
+        return self
+
+    def __exit__(self, *exc_info: Any) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Abort what is in flight and release the KV pool. Idempotent."""
+        if self._is_closed:
+            return
+        for request_id in list(self._requests):
+            self.abort(request_id)
+        self._is_closed = True
+        self._requests.clear()
+        self.runner = self.kv_pool = self.blocks.kv_pool = None
+
+    # -- the loop ----------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """Run one scheduling step; returns the requests that finished in it."""
+        batch = self.scheduler.schedule()
+        logits = self.runner.execute([self._chunk(item) for item in batch]) if batch else None
+        seqs, rows = self.scheduler.advance(batch)
+        token_ids = self.sampler(logits[rows], [s.params for s in seqs], [s.generator for s in seqs]) if seqs else []
+        finished = self.scheduler.postprocess(seqs, token_ids)
+        self.num_steps += 1
+        return self._after_step(finished)
+
+    @property
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished
+
+    def add_request(self, prompt: Any, sampling_params: SamplingParams | None = None,
+                    cache_salt: str | None = None, *, request_id: str | None = None) -> str:
+        """Queue one request (``step`` returns its output when done); returns its id.
+
+        :raises RequestRejectedError: if it could never be served (too long for the KV pool, the
+            model's context, or — without chunked prefill — one step's token budget).
+        """
+        request = self._make_request(prompt, sampling_params, cache_salt, request_id)
+        self._enqueue(request, cache_salt)
+        return request.request_id
+
+    def abort(self, request_id: str) -> None:
+        """Stop a request now; its output (``finish_reason="abort"``) comes from the next step."""
+        request = self._requests.get(request_id)
+        if request is None:
+            raise KeyError(f"abort: no request {request_id!r} is in flight")
+        for seq in request.seqs:
+            self.scheduler.abort(seq)
+
+    # -- the public surface ------------------------------------------------------------------
+    def generate(self, prompts: Any, sampling_params: SamplingParams | list | None = None,
+                 cache_salt: str | list | None = None, *, use_tqdm: bool | None = None) -> list[RequestOutput]:
+        """Run prompts to completion, batched; returns one :class:`RequestOutput` per prompt, in order.
+
+        :param prompts: a str, token ids (``list[int]``), chat messages (``[{"role", "content"}]``,
+            rendered with the chat template and the assistant prompt), or a list of those.
+        :param sampling_params: one :class:`SamplingParams` for all prompts, or one per prompt;
+            ``None`` is ``SamplingParams()``. With ``n > 1`` a prompt's completions are in
+            ``output.outputs`` (``output.text`` is completion 0's).
+        :param cache_salt: the tenant's salt (prefixes are shared only within one salt), one for
+            all prompts or one per prompt.
+        :param use_tqdm: show a progress bar; default: only when stderr is a terminal.
+        """
+        prompt_list = as_prompt_list(prompts)
+        params_list = per_prompt("sampling_params", sampling_params, len(prompt_list), SamplingParams)
+        salts = per_prompt("cache_salt", cache_salt, len(prompt_list), str)
+        # NOTE: every prompt is checked before any is queued, so a bad one leaves the engine idle.
+        requests = [self._make_request(p, sp, salt, None) for p, sp, salt in zip(prompt_list, params_list, salts)]
+        if len({r.request_id for r in requests}) < len(requests):  # pragma: no cover - counter ids
+            raise AssertionError("duplicate request ids; this indicates a bug in Engine._make_request")
+        for request, salt in zip(requests, salts):
+            self._enqueue(request, salt)
+        outputs: dict[str, RequestOutput] = {}
+        wanted = {r.request_id for r in requests}
+        bar = _progress_bar(len(requests), use_tqdm)
+        try:
+            while len(outputs) < len(requests):
+                for output in self.step():
+                    if output.request_id in wanted:
+                        outputs[output.request_id] = output
+                        bar.update(1)
+        finally:
+            bar.close()
+            for request in requests:
+                if request.request_id not in outputs and request.request_id in self._requests:
+                    self.abort(request.request_id)
+        return [outputs[r.request_id] for r in requests]
+
+    def stream(self, prompt: Any, sampling_params: SamplingParams | None = None,
+               cache_salt: str | None = None) -> Iterator[str]:
+        """Generate for one prompt, yielding text deltas as they are produced (``n`` must be 1).
+
+        With stop strings, up to ``len(longest stop) - 1`` characters are held back until they
+        cannot start a stop string, so no text past a stop is ever yielded.
+        """
+        request = self._make_request(prompt, sampling_params, cache_salt, None)
+        if request.params.n != 1:
+            raise ValueError(f"stream() yields one completion; got SamplingParams.n={request.params.n}; "
+                             "use generate() for n > 1")
+        self._enqueue(request, cache_salt)
+        seq = request.seqs[0]
+        holdback = max((len(s) for s in request.params.stop), default=1) - 1
+        emitted = 0
+        try:
+            while not seq.is_finished:
+                self.step()
+                if not seq.is_finished:
+                    seq.update_text()
+                end = len(seq.text) if seq.is_finished else max(emitted, len(seq.text) - holdback)
+                if end > emitted:
+                    yield seq.text[emitted:end]
+                    emitted = end
+        finally:
+            if not seq.is_finished:
+                self.abort(request.request_id)
+
+    def warm(self, prompt: Any, pin: bool = True, cache_salt: str | None = None) -> int:
+        """Compute ``prompt``'s KV and keep its full blocks cached (and pinned when ``pin``).
+
+        Chat messages are rendered without the assistant prompt, as the prefix of a later
+        conversation. Returns the number of prompt tokens now cached (pinned, when ``pin``).
+        :raises PinLimitError: if pinning would exceed ``cache.max_pinned_fraction`` of the pool.
+        """
+        if not self.config.engine.enable_prefix_caching:
+            raise CoreKVError("warm() needs engine.enable_prefix_caching: true (nothing is kept otherwise)")
+        if not isinstance(pin, bool):
+            raise TypeError(f"warm(pin=...) must be True or False, got {pin!r}")
+        token_ids = self.encode(prompt, add_generation_prompt=False)
+        request = self._make_request(prompt, SamplingParams(max_tokens=1, temperature=0.0), cache_salt,
+                                     None, prompt_token_ids=token_ids)
+        request.is_internal = True
+        self._enqueue(request, cache_salt)
+        while not request.seqs[0].is_finished:
+            self.step()
+        key = self.prefix_key(token_ids, cache_salt)
+        num_blocks = self.backend.pin(key) if pin else len(self.backend.match(key))
+        self._after_step([])  # publish the pin's events, if any
+        return num_blocks * self.block_size
+
+    def unpin(self, prompt: Any, cache_salt: str | None = None) -> int:
+        """Undo one ``warm(prompt, pin=True, cache_salt)``; returns the number of tokens unpinned."""
+        token_ids = self.encode(prompt, add_generation_prompt=False)
+        return self.backend.unpin(self.prefix_key(token_ids, cache_salt)) * self.block_size
+
+    def stats(self) -> dict[str, Any]:
+        """Counters since the engine started (see the keys; ``tiers`` is per storage tier)."""
+        sched, backend = self.scheduler, self.backend
+        num_free = backend.num_free_blocks
+        reused, prompt = sched.num_cached_prompt_tokens, sched.num_prompt_tokens
+        return {
+            "num_steps": self.num_steps,
+            "num_waiting": len(sched.waiting),
+            "num_running": len(sched.running),
+            "num_preemptions": sched.num_preemptions,
+            "num_cow_copies": self.blocks.num_cow_copies,
+            "kv_num_blocks": backend.num_blocks,
+            "kv_num_free_blocks": num_free,
+            "kv_num_pinned_blocks": backend.num_pinned_blocks,
+            "kv_usage": (backend.num_blocks - num_free) / backend.num_blocks,
+            "kv_block_size": self.block_size,
+            "kv_capacity_tokens": backend.num_blocks * self.block_size,
+            "prompt_tokens": prompt,
+            "prompt_tokens_reused": reused,
+            "prompt_tokens_computed": prompt - reused,
+            "hit_rate": reused / prompt if prompt else 0.0,
+            "tokens_computed": sched.num_computed_tokens,
+            "output_tokens": sched.num_output_tokens,
+            "backend": backend.stats(),
+            "tiers": {},
+        }
+
+    # -- helpers -----------------------------------------------------------------------------
+    def _make_backend(self, num_blocks: int):
+        cache = self.config.cache
+        specs = self.plugin_manager.backends()
+        spec = specs.get(cache.backend)
+        if spec is None:
+            close = difflib.get_close_matches(cache.backend, list(specs), n=1)
+            hint = f"did you mean {close[0]!r}?" if close else "install the plugin that provides it"
+            raise ConfigError(f"cache.backend: no backend named {cache.backend!r} is registered "
+                              f"(known: {sorted(specs)}); {hint}")
+        return spec.factory(num_blocks, self.block_size, max_pinned_fraction=cache.max_pinned_fraction,
+                            **cache.backend_options)
+
+    def prefix_key(self, token_ids: list[int], cache_salt: str | None = None) -> PrefixKey:
+        """The :class:`PrefixKey` under which this engine caches ``token_ids`` for ``cache_salt``."""
+        namespace = self._namespaces.get(cache_salt)
+        if namespace is None:
+            namespace = self._namespaces[cache_salt] = chain_seed(
+                self.model.fingerprint, self.block_size, cache_salt, algorithm=self.config.cache.hash)
+        return PrefixKey(token_ids, self.block_size, namespace, self.config.cache.hash)
+
+    def encode(self, prompt: Any, *, add_generation_prompt: bool = True) -> list[int]:
+        """Token ids of a prompt (str, token ids, or chat messages with the chat template)."""
+        if not add_generation_prompt and isinstance(prompt, (list, tuple)) and prompt and all(
+                isinstance(m, Mapping) for m in prompt):
+            ids = self.model.tokenizer.apply_chat_template(list(prompt), add_generation_prompt=False,
+                                                           tokenize=True)
+            ids = ids["input_ids"] if hasattr(ids, "keys") else ids
+            return [int(t) for t in ids]
+        return self.model.encode_prompt(prompt)
+
+    def _make_request(self, prompt: Any, params: SamplingParams | None, cache_salt: str | None,
+                      request_id: str | None, *, prompt_token_ids: list[int] | None = None) -> Request:
+        if self._is_closed:
+            raise CoreKVError("this engine is closed; build a new one with Engine.from_config")
+        params = SamplingParams() if params is None else params
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"sampling_params must be a corekv.SamplingParams (or None), got "
+                            f"{type(params).__name__}; build one with corekv.SamplingParams(max_tokens=...)")
+        if cache_salt is not None and not isinstance(cache_salt, str):
+            raise TypeError(f"cache_salt must be a str or None, got {cache_salt!r}; pass the tenant's salt")
+        if request_id is None:
+            request_id = str(next(self._request_counter))
+        elif not isinstance(request_id, str) or request_id in self._requests:
+            raise ValueError(f"request_id must be a str not already in flight, got {request_id!r}")
+        token_ids = self.encode(prompt) if prompt_token_ids is None else prompt_token_ids
+        if not token_ids:
+            raise RequestRejectedError(f"prompt {prompt!r} encodes to no tokens; pass a non-empty prompt")
+        check_request_fits(len(token_ids), params, num_blocks=self.backend.num_blocks,
+                           num_pinned_blocks=self.backend.num_pinned_blocks, block_size=self.block_size,
+                           max_model_len=self.max_model_len,
+                           max_num_batched_tokens=self.config.engine.max_num_batched_tokens,
+                           enable_chunked_prefill=self.enable_chunked_prefill,
+                           max_num_seqs=self.config.engine.max_num_seqs)
+        return Request(request_id, prompt, token_ids, params)
+
+    def _enqueue(self, request: Request, cache_salt: str | None) -> None:
+        params = request.params
+        seq = Sequence(request.request_id, request.prompt_token_ids, params,
+                       self.prefix_key(request.prompt_token_ids, cache_salt),
+                       generator=make_generator(params, 0), detokenizer=self._detokenizer(request))
+        request.seqs.append(seq)
+        self._requests[request.request_id] = request
+        self.scheduler.add(seq)
+
+    def _detokenizer(self, request: Request) -> IncrementalDetokenizer:
+        return IncrementalDetokenizer(self.model.tokenizer, request.prompt_token_ids,
+                                      skip_special_tokens=request.params.skip_special_tokens)
+
+    def _fork(self, parent: Sequence, index: int) -> Sequence:
+        request = self._requests[parent.request_id]
+        child = parent.fork(index, make_generator(parent.params, index), self._detokenizer(request))
+        request.seqs.append(child)
+        return child
+
+    @staticmethod
+    def _chunk(item: ScheduledSeq) -> ScheduledChunk:
+        seq = item.seq
+        return ScheduledChunk(seq.token_ids[item.start_pos:item.start_pos + item.num_tokens],
+                              item.start_pos, seq.block_table)
+
+    def _after_step(self, finished: list[Sequence]) -> list[RequestOutput]:
+        hook = self.plugin_manager.hook
+        events = self.backend.take_events()
+        if events:
+            stored = [e for e in events if e.kind == "stored"]
+            removed = [e for e in events if e.kind == "removed"]
+            if stored:
+                hook.corekv_on_blocks_stored(events=stored)
+            if removed:
+                hook.corekv_on_blocks_removed(events=removed)
+        outputs = []
+        for seq in finished:
+            request = self._requests[seq.request_id]
+            request.num_finished += 1
+            if request.num_finished < request.params.n:
+                continue
+            del self._requests[seq.request_id]
+            output = make_output(request)
+            if not request.is_internal:
+                hook.corekv_on_request_finished(output=output)
+                outputs.append(output)
+        return outputs
+
+
+class _NoBar:
+    def update(self, n: int) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def _progress_bar(total: int, use_tqdm: bool | None):
+    if use_tqdm is None:
+        use_tqdm = sys.stderr.isatty()
+    if not use_tqdm:
+        return _NoBar()
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc="generate", unit="req", file=sys.stderr)

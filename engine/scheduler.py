@@ -1,0 +1,205 @@
+"""Continuous batching: which sequences run in the next step, and how many tokens each.
+
+Every step is a fresh decision under two limits, ``max_num_batched_tokens`` (the token budget of
+one forward) and ``max_num_seqs`` (running sequences). Decodes go first (one token each), then
+prompts already being prefilled, then new admissions; with chunked prefill a prompt takes what is
+left of the budget and continues next step, so a long prompt never stalls the decodes.
+"""
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Callable, Sequence as SequenceABC
+from dataclasses import dataclass
+
+from corekv.engine.block_manager import BlockManager
+from corekv.engine.sequence import Sequence, SequenceStatus
+
+__all__ = ["Scheduler", "ScheduledSeq", "SCHEDULING_POLICIES"]
+
+SCHEDULING_POLICIES = ("lpm", "fcfs")
+#: ``lpm`` orders by longest prefix match only while the queue is at most this long: beyond it,
+#: matching every waiting prompt each step costs more than the reuse it finds (and FCFS is fair).
+LPM_QUEUE_LIMIT = 128
+
+
+@dataclass(frozen=True)
+class ScheduledSeq:
+    """``num_tokens`` tokens of ``seq``, starting at ``start_pos``, run in this step."""
+
+    seq: Sequence
+    start_pos: int
+    num_tokens: int
+
+
+class Scheduler:
+    """Owns the waiting queue and the running list.
+
+    Invariants:
+
+    * every unfinished sequence is in exactly one of ``waiting`` (holding no blocks) and
+      ``running`` (holding blocks for all its tokens but, while decoding, maybe the newest);
+    * ``running`` is in admission order, so its tail is the newest (the first preemption victim);
+    * one step's scheduled tokens never exceed ``max_num_batched_tokens``, except a sequence
+      that can only run whole (chunked prefill off) and is then alone in its step;
+    * ``len(running) + pending forks <= max_num_seqs``.
+    """
+
+    def __init__(self, block_manager: BlockManager, *, max_num_seqs: int, max_num_batched_tokens: int,
+                 scheduling: str = "lpm", enable_chunked_prefill: bool = True,
+                 eos_token_ids: SequenceABC[int] = (),
+                 make_fork: Callable[[Sequence, int], Sequence] | None = None):
+        if scheduling not in SCHEDULING_POLICIES:
+            raise ValueError(f"engine.scheduling must be one of {SCHEDULING_POLICIES}, got {scheduling!r}")
+        self.blocks = block_manager
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.scheduling = scheduling
+        self.enable_chunked_prefill = enable_chunked_prefill
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.make_fork = make_fork or (lambda parent, index: parent.fork(index, None, None))
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self._finished_unstepped: list[Sequence] = []
+        self.num_preemptions = 0
+        self.num_prompt_tokens = 0
+        self.num_cached_prompt_tokens = 0
+        self.num_computed_tokens = 0
+        self.num_output_tokens = 0
+
+    # -- queue -------------------------------------------------------------------------------
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    @property
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running or self._finished_unstepped)
+
+    # -- the step ----------------------------------------------------------------------------
+    def schedule(self) -> list[ScheduledSeq]:
+        """Choose this step's work; may preempt running sequences to make room for decodes."""
+        budget = self.max_num_batched_tokens
+        batch: list[ScheduledSeq] = []
+        for seq in list(self.running):  # decodes first, oldest first
+            if budget == 0:
+                break
+            if seq.status is not SequenceStatus.RUNNING or seq.num_uncomputed_tokens != 1:
+                continue
+            if self._make_room_for_decode(seq):
+                batch.append(ScheduledSeq(seq, seq.num_computed_tokens, 1))
+                budget -= 1
+        for seq in self.running:  # then prompts already being prefilled
+            if budget > 0 and seq.num_uncomputed_tokens > 1:
+                num_tokens = min(seq.num_uncomputed_tokens, budget)
+                batch.append(ScheduledSeq(seq, seq.num_computed_tokens, num_tokens))
+                budget -= num_tokens
+        for seq in self._admission_order():  # then new (or preempted) sequences
+            if budget == 0 or len(self.running) + 1 + seq.num_pending_forks > self.max_num_seqs:
+                break
+            fits_whole = seq.num_tokens - len(self.blocks.match(seq)) * self.blocks.block_size <= budget
+            is_alone = not batch and not self.running
+            if not (self.enable_chunked_prefill or fits_whole or is_alone):
+                break
+            if not self.blocks.allocate(seq):
+                break
+            self._admit(seq)
+            num_tokens = seq.num_uncomputed_tokens
+            if self.enable_chunked_prefill:
+                num_tokens = min(num_tokens, budget)
+            batch.append(ScheduledSeq(seq, seq.num_computed_tokens, num_tokens))
+            budget -= min(num_tokens, budget)
+        if not batch and self.waiting and not self.running:
+            # NOTE: nothing runs, so every unpinned block is free: the head can never fit (e.g.
+            # pins grew after it was added). Abort it rather than spin forever.
+            self.abort(self._admission_order()[0])
+        return batch
+
+    def advance(self, batch: SequenceABC[ScheduledSeq]) -> tuple[list[Sequence], list[int]]:
+        """After the forward: record computed tokens, cache filled blocks, fork ``n > 1``.
+
+        :returns: the sequences that now sample a token, and the logits row each samples from
+            (forks of one prompt share their parent's row).
+        """
+        seqs: list[Sequence] = []
+        rows: list[int] = []
+        for row, item in enumerate(batch):
+            seq = item.seq
+            seq.num_computed_tokens += item.num_tokens
+            self.num_computed_tokens += item.num_tokens
+            self.blocks.cache_full_blocks(seq)
+            if seq.num_uncomputed_tokens > 0:
+                continue  # a prefill chunk with more to come: its logits are not used
+            seqs.append(seq)
+            rows.append(row)
+            for index in range(1, seq.num_pending_forks + 1):
+                child = self.make_fork(seq, index)
+                self.blocks.fork(seq, child)
+                self.running.append(child)
+                seqs.append(child)
+                rows.append(row)
+            seq.num_pending_forks = 0
+        return seqs, rows
+
+    def postprocess(self, seqs: SequenceABC[Sequence], token_ids: SequenceABC[int]) -> list[Sequence]:
+        """Append each sampled token; finish the sequences that stop. Returns the finished ones."""
+        finished, self._finished_unstepped = self._finished_unstepped, []
+        for seq, token_id in zip(seqs, token_ids, strict=True):
+            seq.append_token(token_id)
+            self.num_output_tokens += 1
+            reason = seq.check_stop(self.eos_token_ids)
+            if reason is not None:
+                self._finish(seq, reason)
+                finished.append(seq)
+        return finished
+
+    def abort(self, seq: Sequence) -> None:
+        """Finish ``seq`` now with ``finish_reason="abort"`` (returned by the next postprocess)."""
+        if not seq.is_finished:
+            self._finish(seq, "abort")
+            self._finished_unstepped.append(seq)
+
+    # -- helpers -----------------------------------------------------------------------------
+    def _admission_order(self) -> list[Sequence]:
+        if self.scheduling == "fcfs" or len(self.waiting) > LPM_QUEUE_LIMIT:
+            return list(self.waiting)
+        # NOTE: preempted sequences keep the front (they were running); then longest cached
+        # prefix first; sorted() is stable, so ties stay first come, first served.
+        return sorted(self.waiting, key=lambda s: (s.num_preemptions == 0, -len(self.blocks.match(s))))
+
+    def _admit(self, seq: Sequence) -> None:
+        self.waiting.remove(seq)
+        seq.status = SequenceStatus.RUNNING
+        self.running.append(seq)
+        if seq.num_cached_tokens is None:  # first admission: count the prompt's reuse once
+            seq.num_cached_tokens = seq.num_computed_tokens
+            self.num_prompt_tokens += seq.num_prompt_tokens
+            self.num_cached_prompt_tokens += seq.num_computed_tokens
+
+    def _make_room_for_decode(self, seq: Sequence) -> bool:
+        """Get ``seq`` a writable slot, preempting the newest running sequences if needed."""
+        while not self.blocks.append_slot(seq):
+            victim = self.running[-1]
+            self._preempt(victim)
+            if victim is seq:
+                return False
+        return True
+
+    def _preempt(self, seq: Sequence) -> None:
+        """Recompute preemption: free the blocks (cached full ones stay hittable), requeue first."""
+        self.blocks.free(seq)
+        self.running.remove(seq)
+        seq.status = SequenceStatus.WAITING
+        seq.num_computed_tokens = 0
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(seq)
+
+    def _finish(self, seq: Sequence, reason: str) -> None:
+        if seq.status is SequenceStatus.RUNNING:
+            self.blocks.free(seq)
+            self.running.remove(seq)
+        elif seq.status is SequenceStatus.WAITING:
+            self.waiting.remove(seq)
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = reason
+        seq.finish_time = time.perf_counter()
