@@ -1,1 +1,200 @@
-"""(being written)"""
+"""``fsspec``: one object per KV block under any fsspec URL (file://, memory://, s3:// with s3fs)."""
+from __future__ import annotations
+
+import logging
+import uuid
+from collections import OrderedDict
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import fsspec
+from fsspec.implementations.local import LocalFileSystem
+
+from corekv.plugin import Option, TierSpec, hookimpl
+from corekv.tier import BlockHash, Tier
+
+logger = logging.getLogger("corekv.tier")
+_TMP_MARK = ".tmp-"
+
+
+class FsspecTier(Tier):
+    """Blocks as objects ``<url>/<fp12>/<hh>/<hexhash>`` (entry = header + payload).
+
+    Invariants: an object at a block's path is a complete entry or absent: on a local disk it is
+    written under a temporary name and renamed into place (atomic), and object stores make each
+    PUT atomic; readers ignore temporary names. With ``size`` > 0, the objects known to this
+    process (listed at open, sorted by mtime, then in this process's access order) are evicted
+    oldest first to stay under ``size``: best effort, as other writers are only seen at open.
+    """
+
+    is_persistent = True
+    is_shared = True
+    supports_listing = True
+
+    def __init__(self, *, url: str, size: int = 0, block_bytes: int, fingerprint: bytes,
+                 dtype: str = "uint8", shape: Sequence[int] | None = None, name: str | None = None,
+                 storage_options: dict[str, Any] | None = None):
+        super().__init__(block_bytes=block_bytes, fingerprint=fingerprint, dtype=dtype, shape=shape,
+                         name=name or "fsspec")
+        if not isinstance(url, str) or not url:
+            raise ValueError(f"url must be an fsspec URL string, got {url!r}; e.g. file:///data/kv "
+                             "or s3://bucket/prefix")
+        if not isinstance(size, int) or size < 0:
+            raise ValueError(f"size must be a byte count >= 0 (0: no cap), got {size!r}")
+        try:
+            self.fs, root = fsspec.core.url_to_fs(url, **(storage_options or {}))
+        except (ImportError, ValueError) as e:
+            raise ValueError(f"url {url!r} cannot be opened by fsspec ({e}); install the "
+                             "filesystem's package (e.g. s3fs for s3://) or fix the URL") from e
+        self.url, self.root, self.size = url, root.rstrip("/"), size
+        self._is_local = isinstance(self.fs, LocalFileSystem)
+        #: path -> object bytes, oldest first (kept only with a size cap)
+        self._path_to_bytes: OrderedDict[str, int] = OrderedDict()
+        self._used = 0
+        if size:
+            self._scan()
+
+    # ---------------------------------------------------------------- usage
+    @property
+    def capacity_bytes(self) -> int | None:
+        return self.size or None
+
+    @property
+    def used_bytes(self) -> int:
+        if self.size:
+            return self._used
+        return sum(info["size"] for info in self._list(self.root).values())
+
+    @property
+    def num_entries(self) -> int:
+        return len(self._list(f"{self.root}/{self.fp12}"))
+
+    def keys(self) -> Iterator[BlockHash]:
+        return iter([bytes.fromhex(path.rsplit("/", 1)[-1]) for path in self._list(f"{self.root}/{self.fp12}")])
+
+    # ---------------------------------------------------------------- primitives
+    def _read_entries(self, keys: list[BlockHash]) -> list[bytes | None]:
+        paths = [self._path(key) for key in keys]
+        try:
+            found = self.fs.cat(paths, on_error="omit")
+        except Exception as e:  # a remote store's errors are misses, never the engine's problem
+            self._count_error("read", e)
+            return [None] * len(keys)
+        for path in found:
+            if path in self._path_to_bytes:
+                self._path_to_bytes.move_to_end(path)
+        return [found.get(path) for path in paths]
+
+    def _write_entries(self, items) -> int:
+        num_stored = 0
+        for key, parts in items:
+            path = self._path(key)
+            if path in self._path_to_bytes:
+                self._path_to_bytes.move_to_end(path)
+                num_stored += 1
+                continue
+            entry_bytes = sum(len(p) for p in parts)
+            if self.size and not self._make_room(entry_bytes):
+                continue
+            try:
+                self._write_object(path, parts)
+            except Exception as e:
+                self._count_error("write", e)
+                continue
+            num_stored += 1
+            self._stats["puts"] += 1
+            self._stats["bytes_written"] += entry_bytes
+            if self.size:
+                self._path_to_bytes[path] = entry_bytes
+                self._used += entry_bytes
+        return num_stored
+
+    def _contains_entries(self, keys: list[BlockHash]) -> list[bool]:
+        present = []
+        try:
+            for key in keys:
+                present.append(self.fs.exists(self._path(key)))
+                if not present[-1]:
+                    break
+        except Exception as e:
+            self._count_error("exists", e)
+        return present + [False] * (len(keys) - len(present))
+
+    def _delete_entries(self, keys: list[BlockHash]) -> None:
+        for key in keys:
+            self._remove(self._path(key))
+
+    # ---------------------------------------------------------------- helpers
+    def _path(self, key: BlockHash) -> str:
+        hexhash = key.hex()
+        return f"{self.root}/{self.fp12}/{hexhash[:2]}/{hexhash}"
+
+    def _write_object(self, path: str, parts) -> None:
+        if not self._is_local:
+            self.fs.pipe_file(path, b"".join(parts))  # one PUT: atomic on object stores
+            return
+        # NOTE: a reader (or a crash) must never see half an entry: write aside, then rename.
+        self.fs.makedirs(path.rsplit("/", 1)[0], exist_ok=True)
+        tmp = f"{path}{_TMP_MARK}{uuid.uuid4().hex}"
+        with self.fs.open(tmp, "wb") as f:
+            for part in parts:
+                f.write(part)
+        self.fs.mv(tmp, path)
+
+    def _make_room(self, entry_bytes: int) -> bool:
+        if entry_bytes > self.size:
+            return False
+        while self._used + entry_bytes > self.size and self._path_to_bytes:
+            path, _ = next(iter(self._path_to_bytes.items()))
+            self._remove(path)
+            self._stats["evictions"] += 1
+        return self._used + entry_bytes <= self.size
+
+    def _remove(self, path: str) -> None:
+        self._used -= self._path_to_bytes.pop(path, 0)
+        try:
+            self.fs.rm_file(path)
+        except FileNotFoundError:
+            pass
+        except Exception as e:
+            self._count_error("delete", e)
+
+    def _scan(self) -> None:
+        objects = sorted(self._list(self.root).items(), key=lambda item: _mtime(item[1]))
+        for path, info in objects:
+            self._path_to_bytes[path] = info["size"]
+            self._used += info["size"]
+
+    def _list(self, prefix: str) -> dict[str, dict]:
+        try:
+            found = self.fs.find(prefix, detail=True)
+        except FileNotFoundError:
+            return {}
+        except Exception as e:
+            self._count_error("list", e)
+            return {}
+        return {self.fs._strip_protocol(path): info for path, info in found.items()
+                if _TMP_MARK not in path.rsplit("/", 1)[-1]}
+
+    def _count_error(self, what: str, error: Exception) -> None:
+        self._stats["errors"] += 1
+        logger.warning("tier %s: %s on %s failed (%s: %s); treated as a miss/skip",
+                       self.name, what, self.url, type(error).__name__, error)
+
+
+def _mtime(info: dict) -> float:
+    value = info.get("mtime") or info.get("LastModified") or info.get("created") or 0
+    return value.timestamp() if hasattr(value, "timestamp") else float(value)
+
+
+@hookimpl
+def corekv_register_tiers() -> list[TierSpec]:
+    return [TierSpec(
+        name="fsspec",
+        factory=FsspecTier,
+        options={
+            "url": Option("str", help="an fsspec URL: file:///data/kv, memory://kv, s3://bucket/prefix"),
+            "size": Option("size", default=0, help="cap in bytes, LRU by mtime (0: no cap)", minimum=0),
+        },
+        description="one object per KV block under any fsspec URL (local disk, object stores)",
+    )]
