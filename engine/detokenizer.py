@@ -18,10 +18,11 @@ _REPLACEMENT_CHAR = "\ufffd"
 # NOTE: a few prompt tokens of context let tokenizers that drop a word's leading space at the start
 # of a decode (SentencePiece) decode the first generated token as it reads inside the sentence.
 _NUM_CONTEXT_TOKENS = 5
-# NOTE: valid UTF-8 needs at most 4 bytes per character, so more pending tokens than this means the
-# model produced invalid bytes; emitting them then (as "\ufffd") keeps the window, and the work per
-# token, bounded.
-_MAX_PENDING_TOKENS = 8
+# NOTE: in a run of emoji, byte tokens can straddle every character boundary, so the window may
+# legitimately stay incomplete for many tokens (its complete part is still streamed). Only a model
+# emitting invalid bytes keeps it incomplete for ever; past this many pending tokens they are
+# retired (emitted as "\ufffd") so the window, and the work per token, stays bounded.
+_MAX_PENDING_TOKENS = 64
 
 
 class IncrementalDetokenizer:
@@ -30,7 +31,9 @@ class IncrementalDetokenizer:
     Invariants: ``token_ids`` holds the generated ids only (not the prompt); over the kept ids
     (a few prompt tokens of context, then the generated ones), ``prefix_offset <= read_offset <=
     len(ids)``; the text of every id before ``read_offset`` has been emitted, the ids after it are
-    pending, and ``ids[prefix_offset:read_offset]`` is decoded again only as context;
+    pending (the first ``num_pending_chars_emitted`` characters of their text, which end before an
+    incomplete character, have been emitted too), and ``ids[prefix_offset:read_offset]`` is
+    decoded again only as context;
     ``text`` is the concatenation of every delta returned.
     """
 
@@ -52,6 +55,7 @@ class IncrementalDetokenizer:
         self._ids = context  # the context, then the generated ids
         self._prefix_offset = 0
         self._read_offset = len(context)
+        self._num_pending_chars_emitted = 0  # already streamed part of the pending ids' text
         self._pieces: list[str] = []
         self._text_cache = ""
 
@@ -72,29 +76,41 @@ class IncrementalDetokenizer:
         """Append generated ``token_ids``; returns the newly completed text ("" while held back)."""
         _check_ids("token_ids", token_ids)
         self._ids.extend(token_ids)
-        prefix_text = self._decode(self._prefix_offset, self._read_offset)
-        window_text = self._decode(self._prefix_offset, len(self._ids))
+        pending_text = self._pending_text()
         is_overlong = len(self._ids) - self._read_offset > _MAX_PENDING_TOKENS
-        if window_text.endswith(_REPLACEMENT_CHAR) and not is_overlong:
-            return ""  # an incomplete character: wait for the tokens that complete it
-        delta = window_text[len(prefix_text):]
-        # NOTE: tokens that add no text (skipped special tokens) stay pending, so the next token is
-        # decoded in their company; past the cap they are retired so the window stays small.
-        if delta or is_overlong:
-            self._prefix_offset, self._read_offset = self._read_offset, len(self._ids)
+        if pending_text.endswith(_REPLACEMENT_CHAR) and not is_overlong:
+            # NOTE: the tokens ending in an incomplete character stay pending (decoded again next
+            # time, so the bytes can join up), but the characters before it are final: stream them.
+            complete = pending_text.rstrip(_REPLACEMENT_CHAR)
+            delta = complete[self._num_pending_chars_emitted:]
+            self._num_pending_chars_emitted += len(delta)
+        else:
+            # NOTE: tokens with no text at all (skipped special tokens) are retired too, so a run of
+            # them becomes context one add at a time instead of widening the window.
+            delta = pending_text[self._num_pending_chars_emitted:]
+            self._retire_pending()
+        if delta:
             self._pieces.append(delta)
         return delta
 
     def flush(self) -> str:
-        """At the end of the sequence, emit any held-back text (an incomplete character as "\\ufffd")."""
+        """At the end of the sequence, emit any held-back text (an incomplete character as "\ufffd")."""
         if self._read_offset == len(self._ids):
             return ""
-        prefix_text = self._decode(self._prefix_offset, self._read_offset)
-        window_text = self._decode(self._prefix_offset, len(self._ids))
-        delta = window_text[len(prefix_text):]
-        self._prefix_offset, self._read_offset = self._read_offset, len(self._ids)
-        self._pieces.append(delta)
+        delta = self._pending_text()[self._num_pending_chars_emitted:]
+        self._retire_pending()
+        if delta:
+            self._pieces.append(delta)
         return delta
+
+    def _pending_text(self) -> str:
+        """The text the pending ids add to their context (decoding only the window)."""
+        prefix_text = self._decode(self._prefix_offset, self._read_offset)
+        return self._decode(self._prefix_offset, len(self._ids))[len(prefix_text):]
+
+    def _retire_pending(self) -> None:
+        self._prefix_offset, self._read_offset = self._read_offset, len(self._ids)
+        self._num_pending_chars_emitted = 0
 
     def _decode(self, start: int, end: int) -> str:
         return self._tokenizer.decode(self._ids[start:end],
