@@ -1,0 +1,61 @@
+"""corekv.tier: the factory convention (make_tier) and the base class's argument checks."""
+import pytest
+
+from corekv.errors import ConfigError, PluginError
+from corekv.plugin import Option, TierSpec
+from corekv.tier import make_tier
+from corekv.tiers.host import HostTier
+
+HOST_SPEC = TierSpec(name="host", factory=HostTier, plugin="host",
+                     options={"size": Option("size"), "pin_memory": Option("bool", default=False)})
+
+
+def test_make_tier_fills_defaults_and_passes_the_block_description():
+    seen = {}
+
+    def factory(**kwargs):
+        seen.update(kwargs)
+        return HostTier(size=kwargs["size"], block_bytes=kwargs["block_bytes"],
+                        fingerprint=kwargs["fingerprint"], dtype=kwargs["dtype"], shape=kwargs["shape"])
+
+    spec = TierSpec(name="t", factory=factory, options={"size": Option("size"),
+                                                         "color": Option("str", default="red")})
+    make_tier(spec, {"size": 4096}, block_bytes=64, fingerprint=b"m", dtype="float16", shape=[2, 16])
+    assert seen == {"size": 4096, "color": "red", "block_bytes": 64, "fingerprint": b"m",
+                    "dtype": "float16", "shape": (2, 16)}
+
+
+def test_unknown_and_missing_options_are_config_errors():
+    with pytest.raises(ConfigError, match=r"unknown option\(s\) \['sise'\]"):
+        make_tier(HOST_SPEC, {"size": 4096, "sise": 1}, block_bytes=64, fingerprint=b"m")
+    with pytest.raises(ConfigError, match="option 'size' is required"):
+        make_tier(HOST_SPEC, {}, block_bytes=64, fingerprint=b"m")
+
+
+def test_a_failing_factory_is_a_plugin_error_naming_the_plugin():
+    with pytest.raises(PluginError, match="tier 'host' \\(plugin 'host'\\) failed to start: ValueError: size"):
+        make_tier(HOST_SPEC, {"size": 1}, block_bytes=64, fingerprint=b"m")
+
+
+def test_a_factory_must_return_a_tier():
+    spec = TierSpec(name="odd", factory=lambda **kw: object(), plugin="thirdparty")
+    with pytest.raises(PluginError, match="returned object, expected a corekv.tier.Tier"):
+        make_tier(spec, {}, block_bytes=64, fingerprint=b"m")
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"block_bytes": 0}, "block_bytes must be a positive int, got 0"),
+    ({"block_bytes": 64, "dtype": "float32"}, "shape is required for dtype 'float32'"),
+    ({"block_bytes": 64, "dtype": "float32", "shape": (32,)}, "block_bytes=64 does not match"),
+])
+def test_block_description_must_be_consistent(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        HostTier(size=10_000, fingerprint=b"m", **kwargs)
+
+
+def test_put_needs_a_sequence_of_pairs():
+    with HostTier(size=10_000, block_bytes=64, fingerprint=b"m") as tier:
+        with pytest.raises(TypeError, match="items must be a sequence of"):
+            tier.put(b"not pairs")
+        with pytest.raises(TypeError, match=r"items\[i\]\[0\] must hold non-empty bytes"):
+            tier.put([("text", bytes(64))])
