@@ -45,13 +45,16 @@ def parse_size(value: Any) -> int | None:
 
 
 def format_size(num_bytes: int) -> str | int:
-    """The shortest exact spelling of ``num_bytes``: ``"256MiB"`` when it is a whole number of
-    binary units, else the plain integer (so dumping and loading again gives the same bytes)."""
-    for unit in ("TiB", "GiB", "MiB", "KiB"):
+    """The shortest exact spelling of ``num_bytes`` (``"256MiB"``, ``"20GB"``), or the plain
+    integer when no unit divides it (so dumping and loading again gives the same bytes)."""
+    best: str | int = num_bytes
+    for unit in ("TiB", "TB", "GiB", "GB", "MiB", "MB", "KiB", "kB"):
         multiple = SIZE_UNITS[unit.lower()]
         if num_bytes >= multiple and num_bytes % multiple == 0:
-            return f"{num_bytes // multiple}{unit}"
-    return num_bytes
+            text = f"{num_bytes // multiple}{unit}"
+            if isinstance(best, int) or len(text) < len(best):
+                best = text
+    return best
 
 
 def did_you_mean(word: Any, candidates: Iterable[str]) -> str:

@@ -1,0 +1,294 @@
+"""The ``corekv`` command line: ``plugins``, ``config``, ``bench hit-rate``, ``generate``, ``warm``.
+
+Errors a user can fix (bad config, bad arguments, a broken plugin) print one line,
+``corekv: error: <message>``, and exit 2 (config or usage) or 1 (runtime); ``--debug`` shows the
+traceback instead. Anything else is a bug and keeps its traceback.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+from typing import Any
+
+EXIT_RUNTIME = 1
+EXIT_USAGE = 2
+
+
+class UsageError(Exception):
+    """A command-line argument is wrong (exit code 2, like argparse's own errors)."""
+
+
+class _Parser(argparse.ArgumentParser):
+    # NOTE: argparse prints the whole usage block and exits; corekv errors are one line and
+    # main() must return its exit code rather than raise SystemExit.
+    def error(self, message: str):
+        raise UsageError(f"{message} (see '{self.prog} --help')")
+
+
+def _parser_kwargs(description: str, examples: str) -> dict[str, Any]:
+    return {"description": description, "epilog": "examples:\n" + examples,
+            "formatter_class": argparse.RawDescriptionHelpFormatter}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    common = _Parser(add_help=False)
+    # NOTE: SUPPRESS defaults, so --config/--debug work before or after the subcommand without
+    # the subcommand's default overwriting a value given before it.
+    common.add_argument("--config", metavar="FILE", default=argparse.SUPPRESS,
+                        help="YAML config file (default: $COREKV_CONFIG, else built-in defaults)")
+    common.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
+                        help="log debug messages and show tracebacks on errors")
+    parser = _Parser(prog="corekv", parents=[common], **_parser_kwargs(
+        "corekv: a plugin-style KV-cache framework for LLM inference.",
+        "  corekv plugins\n"
+        "  corekv config --config cache.yaml\n"
+        "  corekv generate --prompt 'What is a KV cache?' --chat\n"
+        "  corekv bench hit-rate\n"))
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True,
+                                     parser_class=_Parser)
+
+    p = commands.add_parser("plugins", parents=[common], help="list backends, tiers and plugins",
+                            **_parser_kwargs(
+                                "List every registered backend and tier, and every plugin, with "
+                                "the distribution it comes from.",
+                                "  corekv plugins\n  corekv plugins --json\n"
+                                "  corekv plugins --config cache.yaml   # also the config's plugins:\n"))
+    p.add_argument("--json", action="store_true", help="print JSON (with each option schema)")
+    p.set_defaults(handler=_cmd_plugins)
+
+    p = commands.add_parser("config", parents=[common], help="print the effective config",
+                            **_parser_kwargs(
+                                "Print the effective configuration (file, then COREKV_* environment "
+                                "overrides, with defaults filled in) as YAML.",
+                                "  corekv config --config cache.yaml\n"
+                                "  COREKV_ENGINE__BLOCK_SIZE=32 corekv config\n"
+                                "  corekv config --reference > docs/config.md\n"))
+    p.add_argument("--reference", action="store_true",
+                   help="print the configuration reference (markdown) instead")
+    p.set_defaults(handler=_cmd_config)
+
+    bench = commands.add_parser("bench", parents=[common], help="benchmarks without a model",
+                                **_parser_kwargs("Index-only benchmarks.", "  corekv bench hit-rate\n"))
+    bench_commands = bench.add_subparsers(dest="bench_command", metavar="BENCHMARK", required=True,
+                                          parser_class=_Parser)
+    p = bench_commands.add_parser("hit-rate", parents=[common], help="prefix hit rates per backend",
+                                  **_parser_kwargs(
+                                      "Replay the seed workloads through the radix and hash-block "
+                                      "backends and print the fraction of tokens served from cache.",
+                                      "  corekv bench hit-rate\n"
+                                      "  corekv bench hit-rate --workloads multi_turn,parallel\n"
+                                      "  corekv bench hit-rate --capacity 32768 --json\n"))
+    p.add_argument("--workloads", metavar="NAMES",
+                   help="comma-separated workload names (default: all four)")
+    p.add_argument("--capacity", metavar="TOKENS", type=_int_at_least(1),
+                   help="device pool size in tokens (default: unbounded, nothing evicted)")
+    p.add_argument("--json", action="store_true", help="print the rows as JSON")
+    p.set_defaults(handler=_cmd_bench_hit_rate)
+
+    p = commands.add_parser("generate", parents=[common], help="generate text for one prompt",
+                            **_parser_kwargs(
+                                "Load the model and cache from the config and generate a reply.",
+                                "  corekv generate --prompt 'The capital of France is'\n"
+                                "  corekv generate --chat --prompt 'What is a KV cache?' "
+                                "--max-tokens 64\n"
+                                "  corekv generate --config cache.yaml --salt tenant-a --chat "
+                                "--prompt 'Hi' --stats\n"))
+    p.add_argument("--prompt", required=True, help="the prompt text")
+    p.add_argument("--chat", action="store_true",
+                   help="send the prompt as a user message through the model's chat template")
+    p.add_argument("--salt", metavar="S", help="cache_salt: prefixes are shared only within a salt")
+    p.add_argument("--max-tokens", metavar="N", type=_int_at_least(1), default=64,
+                   help="most tokens to generate (default: 64)")
+    p.add_argument("--temperature", metavar="T", type=_float_at_least(0.0), default=0.0,
+                   help="sampling temperature; 0 is greedy (default: 0)")
+    p.add_argument("--stats", action="store_true",
+                   help="also print cached-token counts and time to first token to stderr")
+    p.set_defaults(handler=_cmd_generate)
+
+    p = commands.add_parser("warm", parents=[common], help="compute and keep a prefix",
+                            **_parser_kwargs(
+                                "Compute a prompt's KV so later requests hit it (in this engine and, "
+                                "through the config's tiers, in later ones).",
+                                "  corekv warm --config cache.yaml --prompt 'You are a helpful assistant.'\n"
+                                "  corekv warm --config cache.yaml --prompt \"$(cat system.txt)\" "
+                                "--salt tenant-a --pin\n"))
+    p.add_argument("--prompt", required=True, help="the prefix text")
+    p.add_argument("--salt", metavar="S", help="cache_salt the prefix is kept for")
+    p.add_argument("--pin", action="store_true", help="pin it: never evicted from the device pool")
+    p.set_defaults(handler=_cmd_warm)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the CLI; returns the exit code (the ``corekv`` console script exits with it)."""
+    try:
+        args = build_parser().parse_args(argv)
+    except UsageError as e:
+        return _fail(str(e), EXIT_USAGE)
+    except SystemExit as e:  # --help
+        return e.code if isinstance(e.code, int) else 0
+    debug = getattr(args, "debug", False)
+    logging.basicConfig(level=logging.DEBUG if debug else logging.WARNING,
+                        format="%(levelname)s %(name)s: %(message)s")
+    try:
+        return args.handler(args) or 0
+    except KeyboardInterrupt:
+        return _fail("interrupted", 130)
+    except BrokenPipeError:  # `corekv plugins | head`
+        sys.stderr.close()
+        return 0
+    except Exception as e:
+        code = _exit_code(e)
+        if debug or code is None:
+            raise
+        return _fail(str(e), code)
+
+
+def _exit_code(error: Exception) -> int | None:
+    from corekv.errors import ConfigError, CoreKVError
+
+    if isinstance(error, (ConfigError, UsageError)):
+        return EXIT_USAGE
+    if isinstance(error, (CoreKVError, FileNotFoundError)):
+        return EXIT_RUNTIME
+    return None
+
+
+def _fail(message: str, code: int) -> int:
+    one_line = " ".join(message.split())  # NOTE: a plugin's exception text may span lines
+    print(f"corekv: error: {one_line}", file=sys.stderr)
+    return code
+
+
+# -- commands ----------------------------------------------------------------------------------
+def _load(args: argparse.Namespace):
+    from corekv.config import load_config
+
+    return load_config(getattr(args, "config", None))
+
+
+def _config_plugins(args: argparse.Namespace) -> tuple[str, ...]:
+    """The config's ``plugins:`` when a config is named (by --config or COREKV_CONFIG)."""
+    from corekv.config import CONFIG_ENV
+
+    if getattr(args, "config", None) is None and not os.environ.get(CONFIG_ENV):
+        return ()
+    return _load(args).plugins
+
+
+def _cmd_plugins(args: argparse.Namespace) -> int:
+    from corekv.plugin import available_plugins
+
+    info = available_plugins(_config_plugins(args))
+    if args.json:
+        print(json.dumps(info, indent=2))
+        return 0
+    for title, key in (("Backends", "backends"), ("Tiers", "tiers")):
+        rows = [(name, d["distribution"] or "-", d["plugin"], d["description"])
+                for name, d in info[key].items()]
+        _print_table(title, ("NAME", "DISTRIBUTION", "PLUGIN", "DESCRIPTION"), rows)
+    rows = [(name, d["distribution"] or "-") for name, d in info["plugins"].items()]
+    _print_table("Plugins", ("NAME", "DISTRIBUTION"), rows)
+    return 0
+
+
+def _print_table(title: str, header: tuple[str, ...], rows: list[tuple[str, ...]]) -> None:
+    print(f"{title}:")
+    if not rows:
+        print("  (none)")
+        return
+    widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(len(header))]
+    for row in [header, *rows]:
+        print("  " + "  ".join(str(c).ljust(w) for c, w in zip(row, widths)).rstrip())
+
+
+def _cmd_config(args: argparse.Namespace) -> int:
+    import yaml
+
+    from corekv.config import config_reference, dump_config
+    from corekv.plugin import make_plugin_manager
+
+    if args.reference:
+        print(config_reference(make_plugin_manager(_config_plugins(args))), end="")
+        return 0
+    cfg = _load(args)
+    data = dump_config(cfg, plugin_manager=make_plugin_manager(cfg.plugins))
+    print(yaml.safe_dump(data, sort_keys=False), end="")
+    return 0
+
+
+def _cmd_bench_hit_rate(args: argparse.Namespace) -> int:
+    from corekv import bench
+    from corekv.config_values import did_you_mean
+
+    workloads = None
+    if args.workloads is not None:
+        available = bench.seed_workloads()
+        names = [n.strip() for n in args.workloads.split(",") if n.strip()]
+        for name in names or [args.workloads]:
+            if name not in available:
+                raise UsageError(f"--workloads: got {name!r}; expected a comma-separated list of "
+                                 f"{', '.join(available)}{did_you_mean(name, available)}")
+        workloads = {name: available[name] for name in names}
+    rows = bench.hit_rate_table(workloads, capacity=args.capacity)
+    print(json.dumps(rows, indent=2) if args.json else bench.format_table(rows))
+    return 0
+
+
+def _cmd_generate(args: argparse.Namespace) -> int:
+    import corekv
+
+    cfg = _load(args)
+    prompt: Any = [{"role": "user", "content": args.prompt}] if args.chat else args.prompt
+    params = corekv.SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature)
+    with corekv.Engine.from_config(cfg) as engine:
+        outs = engine.generate([prompt], params, cache_salt=args.salt)
+    out = outs[0]
+    print(out.text)
+    if args.stats:
+        print(f"cached tokens: {out.num_cached_tokens} (by tier: {out.cached_tokens_by_tier}); "
+              f"time to first token: {out.ttft_s:.3f}s", file=sys.stderr)
+    return 0
+
+
+def _cmd_warm(args: argparse.Namespace) -> int:
+    import corekv
+
+    cfg = _load(args)
+    with corekv.Engine.from_config(cfg) as engine:
+        result = engine.warm(args.prompt, pin=args.pin, cache_salt=args.salt)
+    what = "warmed and pinned" if args.pin else "warmed"
+    print(f"{what}: {result}" if result is not None else what)
+    return 0
+
+
+# -- argument types ------------------------------------------------------------------------------
+def _int_at_least(minimum: int):
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"got {text!r}; expected an integer >= {minimum}") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"got {value}; expected an integer >= {minimum}")
+        return value
+    return parse
+
+
+def _float_at_least(minimum: float):
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"got {text!r}; expected a number >= {minimum}") from None
+        if not value >= minimum:
+            raise argparse.ArgumentTypeError(f"got {value}; expected a number >= {minimum}")
+        return value
+    return parse
+
+
+if __name__ == "__main__":
+    sys.exit(main())
