@@ -138,7 +138,7 @@ class PluginManager:
     def _collect(self, hook, what: str) -> dict:
         spec_type = BackendSpec if what == "backend" else TierSpec
         specs: dict[str, _Spec] = {}
-        for impl in reversed(hook.get_hookimpls()):  # registration order
+        for impl in hook.get_hookimpls():  # registration order (pluggy calls them in reverse)
             plugin_name = self.pm.get_name(impl.plugin) or ""
             try:
                 returned = impl.function()
@@ -220,8 +220,9 @@ def _register(pm: pluggy.PluginManager, plugin: object, name: str) -> str:
     except (pluggy.PluginValidationError, ValueError) as e:
         if pm.is_registered(plugin):
             pm.unregister(plugin)
+        detail = " ".join(str(e).split())  # NOTE: pluggy's messages span lines; errors are one line
         raise PluginError(
-            f"plugin {name!r} is invalid: {e}; hook implementations must be named after a "
+            f"plugin {name!r} is invalid: {detail}; hook implementations must be named after a "
             "corekv_* hookspec (see docs/plugins.md) and take only that hook's arguments"
         ) from e
     return name
