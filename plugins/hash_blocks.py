@@ -22,12 +22,13 @@ class HashBlockBackend(PrefixCacheBackend):
 
     Invariants:
 
-    * ``_ref[b] >= 0``; ``b`` is in ``_free_queue`` iff ``_ref[b] == 0`` (free or cached-idle);
+    * ``_ref[b] >= 0``; with ``_ref[b] == 0`` a block is in exactly one of ``_empty`` (no hash)
+      and ``_lru`` (cached-idle); together they are the free queue, ``_empty`` first;
     * ``_block_hash[b] == h`` iff ``_hash_to_block[h] == b`` (a hash maps to at most one block; a
       block holding a duplicate of a cached prefix has no hash and is private to its owner);
     * the free queue is in eviction order: uncached blocks first (reused before any cached one),
-      then cached-idle blocks from least to most recently released; a request's blocks are released
-      tail first, so a prefix's last block is evicted before its first;
+      then cached-idle blocks from least to most recently released (``_lru`` order); a request's
+      blocks are released tail first, so a prefix's last block is evicted before its first;
     * pinned blocks hold an extra reference (:class:`~corekv.plugins._pinning.PinBook`), so they
       never reach the free queue.
     """
@@ -43,11 +44,13 @@ class HashBlockBackend(PrefixCacheBackend):
         self._ref = [0] * num_blocks
         self._block_hash: list[BlockHash | None] = [None] * num_blocks
         self._hash_to_block: dict[BlockHash, int] = {}
-        # NOTE: an OrderedDict keyed by block id, not an intrusive linked list: it gives the same
-        # O(1) pop-from-head, append and removal from the middle (a hit touched out of the queue),
-        # but every step runs in C, whereas a Python-level list costs several attribute writes and
-        # a node object per block. move_to_end(last=False) puts uncached blocks at the head.
-        self._free_queue: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+        # NOTE: the LRU is an OrderedDict keyed by block id, not an intrusive linked list: it
+        # gives the same O(1) pop-from-head, append and removal from the middle (a hit touched out
+        # of the queue), but every step runs in C, whereas a Python-level list costs several
+        # attribute writes and a node object per block. Uncached free blocks (the queue's head in
+        # vLLM) sit in a plain stack: they are never touched out, so they need no O(1) removal.
+        self._empty: list[int] = list(range(num_blocks - 1, -1, -1))
+        self._lru: OrderedDict[int, None] = OrderedDict()
         self._events: list[BlockEvent] = []
         self._pins = PinBook(self.max_pinned_blocks)
         self.num_evicted_blocks = 0
@@ -68,7 +71,7 @@ class HashBlockBackend(PrefixCacheBackend):
     # -- ownership ---------------------------------------------------------------------------
     def acquire(self, block_ids: Sequence[int]) -> None:
         self._check_ids("block_ids", block_ids)
-        ref, free_queue, block_hash = self._ref, self._free_queue, self._block_hash
+        ref, lru, block_hash = self._ref, self._lru, self._block_hash
         for i, b in enumerate(block_ids):
             r = ref[b]
             if r == 0:
@@ -76,29 +79,36 @@ class HashBlockBackend(PrefixCacheBackend):
                     self.free(block_ids[:i])
                     raise ValueError(f"block {b} in block_ids is free (neither cached nor in use); "
                                      "acquire only blocks returned by match()")
-                del free_queue[b]
+                del lru[b]
             ref[b] = r + 1
 
     def allocate(self, num_blocks: int) -> list[int] | None:
         _check_count("num_blocks", num_blocks)
-        free_queue = self._free_queue
-        if num_blocks > len(free_queue):
+        empty, lru, ref = self._empty, self._lru, self._ref
+        num_reused = num_blocks - len(empty)
+        if num_reused > len(lru):
             return None
-        ref, block_hash, hash_to_block = self._ref, self._block_hash, self._hash_to_block
-        popitem = free_queue.popitem
-        block_ids = []
+        if num_reused <= 0:
+            block_ids = empty[len(empty) - num_blocks:]
+            del empty[len(empty) - num_blocks:]
+            for b in block_ids:
+                ref[b] = 1
+            return block_ids
+        block_ids = empty[:]
+        empty.clear()
+        block_hash, hash_to_block = self._block_hash, self._hash_to_block
+        popitem = lru.popitem
         evicted: list[EvictedBlock] = []
-        for _ in range(num_blocks):
+        for _ in range(num_reused):
             b = popitem(last=False)[0]
             h = block_hash[b]
-            if h is not None:
-                del hash_to_block[h]
-                block_hash[b] = None
-                evicted.append(EvictedBlock(h, b))
-            ref[b] = 1
+            del hash_to_block[h]
+            block_hash[b] = None
+            evicted.append(EvictedBlock(h, b))
             block_ids.append(b)
-        if evicted:
-            self._report_evicted(block_ids, evicted)
+        for b in block_ids:
+            ref[b] = 1
+        self._report_evicted(block_ids, evicted)
         return block_ids
 
     def cache(self, key: PrefixKey, block_ids: Sequence[int]) -> None:
@@ -130,20 +140,20 @@ class HashBlockBackend(PrefixCacheBackend):
 
     def free(self, block_ids: Sequence[int]) -> None:
         self._check_ids("block_ids", block_ids)
-        ref, free_queue, block_hash = self._ref, self._free_queue, self._block_hash
+        ref, lru, empty, block_hash = self._ref, self._lru, self._empty, self._block_hash
         if 0 in map(ref.__getitem__, block_ids):
             b = next(b for b in block_ids if ref[b] == 0)
             raise ValueError(f"block {b} in block_ids is not in use (reference count 0); free each "
                              "block once per allocate()/acquire()")
-        move_to_end = free_queue.move_to_end
         for b in reversed(block_ids):
             r = ref[b] - 1
             assert r >= 0, "a block listed twice in one free() call; this indicates a bug in the caller"
             ref[b] = r
             if r == 0:
-                free_queue[b] = None
                 if block_hash[b] is None:
-                    move_to_end(b, last=False)
+                    empty.append(b)
+                else:
+                    lru[b] = None
 
     # -- pinning -----------------------------------------------------------------------------
     def pin(self, key: PrefixKey) -> int:
@@ -155,7 +165,7 @@ class HashBlockBackend(PrefixCacheBackend):
     # -- accounting --------------------------------------------------------------------------
     @property
     def num_free_blocks(self) -> int:
-        return len(self._free_queue)
+        return len(self._empty) + len(self._lru)
 
     @property
     def num_pinned_blocks(self) -> int:
@@ -179,15 +189,16 @@ class HashBlockBackend(PrefixCacheBackend):
         return events
 
     def reset(self) -> None:
-        if len(self._free_queue) != self.num_blocks:
+        if self.num_free_blocks != self.num_blocks:
             raise RuntimeError(f"reset() needs every block released, but "
-                               f"{self.num_blocks - len(self._free_queue)} are in use (pinned ones "
+                               f"{self.num_blocks - self.num_free_blocks} are in use (pinned ones "
                                "included); free them and unpin first")
         if self._hash_to_block and self.record_events:
             self._events.append(BlockEvent("removed", tuple(self._hash_to_block)))
         self._hash_to_block.clear()
         self._block_hash = [None] * self.num_blocks
-        self._free_queue = OrderedDict.fromkeys(range(self.num_blocks))
+        self._empty = list(range(self.num_blocks - 1, -1, -1))
+        self._lru.clear()
         self._pins.clear()
 
     def stats(self) -> dict[str, int]:
@@ -201,13 +212,14 @@ class HashBlockBackend(PrefixCacheBackend):
                 self.on_evict(evicted)
             except BaseException:
                 # NOTE: undo the allocation so a failing write-back leaves the cache as it was.
-                for e in evicted:
+                for b in block_ids:
+                    self._ref[b] = 0
+                for e in reversed(evicted):
                     self._block_hash[e.block_id] = e.block_hash
                     self._hash_to_block[e.block_hash] = e.block_id
-                for b in reversed(block_ids):
-                    self._ref[b] = 0
-                    self._free_queue[b] = None
-                    self._free_queue.move_to_end(b, last=False)
+                    self._lru[e.block_id] = None
+                    self._lru.move_to_end(e.block_id, last=False)
+                self._empty.extend(block_ids[:len(block_ids) - len(evicted)])
                 raise
         self.num_evicted_blocks += len(evicted)
         if self.record_events:

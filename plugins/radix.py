@@ -4,48 +4,36 @@ Each namespace (``PrefixKey.namespace``: model, block size, salt, extra keys) ha
 tenants never share a node. An edge holds whole pages of ``block_size`` tokens (1 = token
 granularity) and the device block id of each page. A lookup walks down comparing whole edges with
 one C-level slice comparison each; only a partially matching edge is binary-searched, page by page.
+Structural operations (splitting, lock refs, eviction) live in :mod:`corekv.plugins._radix_tree`.
 """
 from __future__ import annotations
 
-import heapq
 from collections.abc import Sequence
 
-from corekv.backend import BlockEvent, EvictCallback, EvictedBlock, PrefixCacheBackend
+from corekv.backend import BlockEvent, EvictCallback, PrefixCacheBackend
 from corekv.hashing import BlockHash, PrefixKey
 from corekv.plugin import BackendSpec, Option, hookimpl
 from corekv.plugins._pinning import PinBook, _check_key
+from corekv.plugins._radix_tree import Node, RadixTreeOps
 
 
-class _Node:
-    __slots__ = ("key", "value", "hashes", "children", "parent", "ref", "lock_ref",
-                 "last_access", "serial")
-
-    def __init__(self, key, value, hashes, parent, serial):
-        self.key = key          # tokens of the edge into this node (a root: its namespace)
-        self.value = value      # one device block id per page of ``key``
-        self.hashes = hashes    # one chained hash per page, or None when hashes are not tracked
-        self.children: dict = {}
-        self.parent = parent    # None for a root and for an evicted (dead) node
-        self.ref = 0            # references held on *each* block of this node
-        self.lock_ref = 0       # sum of ``ref`` over this node's subtree
-        self.last_access = 0
-        self.serial = serial    # creation order: a deterministic tie-break for the LRU heap
-
-
-class RadixBackend(PrefixCacheBackend):
+class RadixBackend(RadixTreeOps, PrefixCacheBackend):
     """Radix-tree index of the device pool; block references map onto node lock refs.
 
     Invariants:
 
-    * every block is exactly one of: free (in ``_free``), private (in ``_private`` with its
-      reference count: allocated, not cached), or cached (on exactly one live node's ``value``;
-      ``_owner[b]`` is that node — ``_owner`` may keep stale entries for blocks that are not cached,
-      they point to dead nodes);
-    * all blocks of a node carry the same reference count ``node.ref`` — acquire/free split a node
-      at the ends of the run they touch — and ``node.lock_ref`` is the sum of ``ref`` over the
-      node's subtree, kept from node to root, so ``lock_ref == 0`` means nothing below is in use;
-    * ``lock_ref(parent) >= lock_ref(child)``; every cached block counts in exactly one of
-      ``_num_evictable_blocks`` (its node's ``lock_ref == 0``) and ``_num_protected_blocks``;
+    * ``_state[b]`` says what block ``b`` is: ``0`` free (then ``b`` is in ``_free``), an int
+      ``r > 0`` private (allocated, not cached, ``r`` references), or the live node whose
+      ``value`` holds it (cached). A dead (evicted) node there reads as free;
+    * every block of a node carries the same reference count ``node.ref`` (requests and pins):
+      acquire/free split a node at the ends of the run they touch. ``cache`` moves the caller's
+      private references onto the new node, so a request's blocks are freed the same way whether
+      they were cached in between or not;
+    * ``node.lock_ref`` is the sum of ``ref`` over the node's subtree, kept from node to root, so
+      ``lock_ref == 0`` means nothing at or below the node is in use, and
+      ``lock_ref(parent) >= lock_ref(child)``;
+    * every cached block counts in exactly one of ``_num_evictable_blocks`` (its node's
+      ``lock_ref == 0``) and ``_num_protected_blocks``;
     * ``_evictable_leaves`` holds exactly the non-root leaves with ``lock_ref == 0``; eviction
       removes whole least-recently-used ones, and a parent joins when its last child goes;
     * edges are whole pages; the child key is an edge's first token (page 1) or first page.
@@ -70,19 +58,16 @@ class RadixBackend(PrefixCacheBackend):
             lambda t, i, p=block_size: tuple(t[i:i + p]))
         self._pins = PinBook(self.max_pinned_blocks)
         self.num_evicted_blocks = 0
+        self._events: list[BlockEvent] = []
         self._init_state()
 
     def _init_state(self) -> None:
-        self._roots: dict[bytes, _Node] = {}
-        self._owner: dict[int, _Node] = {}
-        self._private: dict[int, int] = {}
+        self._roots: dict[bytes, Node] = {}
+        self._state: list = [0] * self.num_blocks
         self._free = list(range(self.num_blocks - 1, -1, -1))
-        self._evictable_leaves: set[_Node] = set()
-        self._num_evictable_blocks = 0
-        self._num_protected_blocks = 0
-        self._clock = 0
-        self._serial = 0
-        self._events: list[BlockEvent] = []
+        self._evictable_leaves: set[Node] = set()
+        self._num_evictable_blocks = self._num_protected_blocks = self._num_private_blocks = 0
+        self._clock = self._serial = 0
 
     @property
     def on_evict(self) -> EvictCallback | None:
@@ -125,14 +110,15 @@ class RadixBackend(PrefixCacheBackend):
     # -- ownership ---------------------------------------------------------------------------
     def acquire(self, block_ids: Sequence[int]) -> None:
         segments = self._segments("block_ids", block_ids)
-        now = self._tick()
-        private = self._private
+        state, nodes = self._state, []
         for node, b in segments:
             if node is None:
-                private[b] += 1
+                state[b] += 1
             else:
                 node.ref += 1
-                self._add_lock(node, 1, now)
+                nodes.append(node)
+        self._clock += 1
+        self._add_locks(nodes, 1, self._clock)
 
     def allocate(self, num_blocks: int) -> list[int] | None:
         _check_count("num_blocks", num_blocks)
@@ -145,7 +131,10 @@ class RadixBackend(PrefixCacheBackend):
             return []
         block_ids = free[-num_blocks:]
         del free[-num_blocks:]
-        self._private.update(dict.fromkeys(block_ids, 1))
+        state = self._state
+        for b in block_ids:   # NOTE: a plain loop beats dict/map tricks for scattered stores
+            state[b] = 1
+        self._num_private_blocks += num_blocks
         return block_ids
 
     def cache(self, key: PrefixKey, block_ids: Sequence[int]) -> None:
@@ -157,9 +146,9 @@ class RadixBackend(PrefixCacheBackend):
         limit = len(block_ids) * page
         node = self._roots.get(key.namespace)
         if node is None:
-            node = self._roots[key.namespace] = _Node(key.namespace, [], None, None, -1)
-        now = self._tick()
-        i = 0
+            node = self._roots[key.namespace] = Node(key.namespace, [], None, None, -1)
+        self._clock += 1
+        now, i = self._clock, 0
         while i < limit:
             child = node.children.get(child_key(tokens, i))
             if child is None:
@@ -171,30 +160,31 @@ class RadixBackend(PrefixCacheBackend):
                 node, i = child, end
                 continue
             num_pages = self._common_pages(edge, tokens, i, limit)
-            node, i = self._split(child, num_pages), i + num_pages * page
+            node, i = self._split(child, num_pages)[0], i + num_pages * page
             break
         if i < limit:
-            self._add_leaves(node, key, tokens[i:limit], list(block_ids[i // page:]), i // page, now)
+            ids = block_ids[i // page:]
+            self._add_leaves(node, key, tokens[i:limit], ids if isinstance(ids, list) else list(ids),
+                             i // page, now)
 
     def free(self, block_ids: Sequence[int]) -> None:
         segments = self._segments("block_ids", block_ids)
-        private, free = self._private, self._free
+        state, free, nodes = self._state, self._free, []
         for node, b in segments:
-            if (private[b] if node is None else node.ref) == 0:
+            if (state[b] if node is None else node.ref) <= 0:
                 raise ValueError(f"block {b} in block_ids is not in use (reference count 0); "
                                  "free each block once per allocate()/acquire()")
-        now = self._clock
-        for node, b in reversed(segments):
+        for node, b in reversed(segments):   # tail first
             if node is None:
-                left = private[b] - 1
-                if left:
-                    private[b] = left
-                else:
-                    del private[b]
+                state[b] -= 1
+                if state[b] == 0:
                     free.append(b)
+                    self._num_private_blocks -= 1
             else:
                 node.ref -= 1
-                self._add_lock(node, -1, now)
+                nodes.append(node)
+        nodes.reverse()
+        self._add_locks(nodes, -1, None)
 
     # -- pinning -----------------------------------------------------------------------------
     def pin(self, key: PrefixKey) -> int:
@@ -235,22 +225,21 @@ class RadixBackend(PrefixCacheBackend):
     def ref_count(self, block_id: int) -> int:
         """References held on ``block_id`` (requests and pins)."""
         node = self._cached_node(block_id)
-        return self._private.get(block_id, 0) if node is None else node.ref
+        x = self._state[block_id]
+        return node.ref if node is not None else (x if x.__class__ is int else 0)
 
     def take_events(self) -> list[BlockEvent]:
         events, self._events = self._events, []
         return events
 
     def reset(self) -> None:
-        if self._private or self._num_protected_blocks:
+        if self._num_private_blocks or self._num_protected_blocks:
             raise RuntimeError(f"reset() needs every block released, but "
-                               f"{len(self._private) + self._num_protected_blocks} are in use "
-                               "(pinned ones included); free them and unpin first")
-        removed = [h for n in set(self._owner.values()) if n.parent is not None and n.hashes
-                   for h in n.hashes]
-        events = self._events
+                               f"{self._num_private_blocks + self._num_protected_blocks} are in "
+                               "use (pinned ones included); free them and unpin first")
+        removed = [h for n in {x for x in self._state if x.__class__ is Node and x.parent}
+                   for h in (n.hashes or ())]
         self._init_state()
-        self._events = events
         if removed and self.record_events:
             self._events.append(BlockEvent("removed", tuple(removed)))
         self._pins.clear()
@@ -261,10 +250,6 @@ class RadixBackend(PrefixCacheBackend):
                 "evictable_size": self.evictable_size, "protected_size": self.protected_size}
 
     # -- helpers -----------------------------------------------------------------------------
-    def _tick(self) -> int:
-        self._clock += 1
-        return self._clock
-
     def _common_pages(self, edge: list[int], tokens: list[int], i: int, limit: int) -> int:
         """Whole pages that ``edge`` shares with ``tokens[i:limit]`` (the first is known equal)."""
         page = self.page
@@ -279,178 +264,11 @@ class RadixBackend(PrefixCacheBackend):
                 hi = mid - 1
         return lo
 
-    def _cached_node(self, block_id: int) -> _Node | None:
+    def _cached_node(self, block_id: int) -> Node | None:
         if not isinstance(block_id, int) or not 0 <= block_id < self.num_blocks:
             raise ValueError(f"block_id must be an int in [0, {self.num_blocks}), got {block_id!r}")
-        node = self._owner.get(block_id)
-        return node if node is not None and node.parent is not None else None
-
-    def _segments(self, name: str, block_ids: Sequence[int]) -> list[tuple[_Node | None, int]]:
-        """Cut ``block_ids`` into private blocks ``(None, b)`` and whole cached nodes
-        ``(node, first block)``, splitting nodes at the ends of the runs (refs stay uniform)."""
-        ids = list(block_ids)
-        n = len(ids)
-        if n and (min(ids) < 0 or max(ids) >= self.num_blocks):
-            bad = next(b for b in ids if not 0 <= b < self.num_blocks)
-            raise ValueError(f"{name} contains block id {bad}, expected ids in "
-                             f"[0, {self.num_blocks}); pass ids this backend handed out")
-        private, owner = self._private, self._owner
-        segments: list[tuple[_Node | None, int]] = []
-        i = 0
-        while i < n:
-            b = ids[i]
-            if b in private:
-                segments.append((None, b))
-                i += 1
-                continue
-            node = owner.get(b)
-            if node is None or node.parent is None:
-                raise ValueError(f"block {b} in {name} is free (neither cached nor in use); pass "
-                                 "blocks from match(), allocate() or cache()")
-            value = node.value
-            offset = 0 if value[0] == b else value.index(b)
-            run = min(len(value) - offset, n - i)
-            if ids[i:i + run] != value[offset:offset + run]:
-                lo, hi = 1, run - 1
-                while lo < hi:
-                    mid = (lo + hi + 1) // 2
-                    if ids[i:i + mid] == value[offset:offset + mid]:
-                        lo = mid
-                    else:
-                        hi = mid - 1
-                run = lo
-            if offset:
-                self._split(node, offset)       # ``node`` keeps the part from ``b`` on
-            if run < len(node.value):
-                node = self._split(node, run)   # the returned prefix is exactly the run
-            segments.append((node, b))
-            i += run
-        return segments
-
-    def _split(self, node: _Node, num_pages: int) -> _Node:
-        """Cut ``node``'s edge after ``num_pages``; return the new upper node (``node`` keeps
-        the lower part and its children)."""
-        page, child_key, parent = self.page, self._child_key, node.parent
-        self._serial += 1
-        upper = _Node(node.key[:num_pages * page], node.value[:num_pages],
-                      None if node.hashes is None else node.hashes[:num_pages], parent, self._serial)
-        node.key, node.value = node.key[num_pages * page:], node.value[num_pages:]
-        if node.hashes is not None:
-            node.hashes = node.hashes[num_pages:]
-        parent.children[child_key(upper.key, 0)] = upper
-        upper.children[child_key(node.key, 0)] = node
-        node.parent = upper
-        upper.ref, upper.last_access = node.ref, node.last_access
-        upper.lock_ref = node.lock_ref + node.ref
-        if node.ref:  # the new node's references count in every ancestor's lock_ref
-            ancestor = parent
-            while ancestor.parent is not None:
-                ancestor.lock_ref += node.ref
-                ancestor = ancestor.parent
-        # NOTE: dict.fromkeys + update re-points the upper part's blocks in one C-level pass.
-        self._owner.update(dict.fromkeys(upper.value, upper))
-        return upper
-
-    def _add_lock(self, node: _Node, delta: int, now: int | None) -> None:
-        """Add ``delta`` to ``lock_ref`` from ``node`` to its root, moving nodes between the
-        evictable and protected counts as they cross zero."""
-        leaves = self._evictable_leaves
-        moved = 0
-        while node.parent is not None:
-            old = node.lock_ref
-            node.lock_ref = new = old + delta
-            if now is not None:
-                node.last_access = now
-            if old == 0:
-                moved += len(node.value)
-                if not node.children:
-                    leaves.discard(node)
-            elif new == 0:
-                moved -= len(node.value)
-                if not node.children:
-                    leaves.add(node)
-            node = node.parent
-        self._num_evictable_blocks -= moved
-        self._num_protected_blocks += moved
-
-    def _add_leaves(self, parent: _Node, key: PrefixKey, tokens: list[int], block_ids: list[int],
-                    first_page: int, now: int) -> None:
-        private = self._private
-        refs = list(map(private.get, block_ids))
-        if None in refs:
-            b = block_ids[refs.index(None)]
-            raise ValueError(f"block {b} in block_ids is neither a hit of this key nor held "
-                             "privately (it is free or caches another prefix); pass the "
-                             "request's own blocks from match()/allocate()")
-        hashes = None
-        if self.track_hashes:
-            hashes = key.block_hashes[first_page:first_page + len(block_ids)]
-        for b in block_ids:
-            del private[b]
-        page, child_key, owner = self.page, self._child_key, self._owner
-        num_ids = len(block_ids)
-        is_uniform = refs.count(refs[0]) == num_ids
-        start = 0
-        while start < num_ids:
-            # NOTE: a run of blocks held a different number of times (acquire() on allocated
-            # blocks) gets a node of its own, keeping every node's references uniform.
-            end = num_ids
-            if not is_uniform:
-                end = start + 1
-                while end < num_ids and refs[end] == refs[start]:
-                    end += 1
-            self._serial += 1
-            node = _Node(tokens[start * page:end * page], block_ids[start:end],
-                         None if hashes is None else hashes[start:end], parent, self._serial)
-            parent.children[child_key(node.key, 0)] = node
-            self._evictable_leaves.discard(parent)
-            self._evictable_leaves.add(node)
-            self._num_evictable_blocks += end - start
-            owner.update(dict.fromkeys(node.value, node))
-            node.ref = refs[start]
-            self._add_lock(node, node.ref, now)
-            parent, start = node, end
-        if hashes and self.record_events:
-            self._events.append(BlockEvent("stored", tuple(hashes)))
-
-    def _evict(self, num_blocks: int) -> None:
-        """Evict least-recently-used unlocked leaves until ``num_blocks`` blocks are free."""
-        heap = [(n.last_access, n.serial, n) for n in self._evictable_leaves]
-        heapq.heapify(heap)
-        victims: list[_Node] = []
-        parent_to_gone: dict[_Node, int] = {}
-        num_freed = 0
-        # NOTE: choose every victim first, then offer them to on_evict, then unlink: a failing
-        # write-back leaves the tree untouched.
-        while num_freed < num_blocks:
-            assert heap, "evictable block count out of sync with the tree; this indicates a bug in RadixBackend"
-            node = heapq.heappop(heap)[2]
-            victims.append(node)
-            num_freed += len(node.value)
-            parent = node.parent
-            if parent.parent is not None and parent.lock_ref == 0:
-                gone = parent_to_gone[parent] = parent_to_gone.get(parent, 0) + 1
-                if gone == len(parent.children):
-                    heapq.heappush(heap, (parent.last_access, parent.serial, parent))
-        if self._on_evict is not None:
-            self._on_evict([EvictedBlock(h, b) for n in victims for h, b in zip(n.hashes, n.value)])
-        child_key, free, leaves = self._child_key, self._free, self._evictable_leaves
-        for node in victims:
-            parent = node.parent
-            del parent.children[child_key(node.key, 0)]
-            leaves.discard(node)
-            free.extend(node.value)
-            node.parent = None
-            if parent.parent is not None:
-                if not parent.children and parent.lock_ref == 0:
-                    leaves.add(parent)
-            elif not parent.children:
-                del self._roots[parent.key]
-        self._num_evictable_blocks -= num_freed
-        self.num_evicted_blocks += num_freed
-        if self.record_events:
-            self._events.append(BlockEvent(
-                "removed", tuple(h for n in victims for h in n.hashes)))
+        x = self._state[block_id]
+        return x if x.__class__ is Node and x.parent is not None else None
 
 
 def _check_count(name: str, value: object) -> None:
