@@ -113,6 +113,42 @@ class Tier(ABC):
             self._stats["bytes_read"] += num_hits * self.block_bytes
         return payloads
 
+    def get_into(self, keys: Sequence[BlockHash], out: Sequence[Any]) -> list[bool]:
+        """Like :meth:`get`, but copy each hit's payload into ``out[i]`` and return hit flags.
+
+        ``out[i]`` is a writable, C-contiguous buffer of ``block_bytes`` (a numpy row, a CPU
+        tensor's ``.numpy()``, a pinned staging buffer): no per-block allocation, and tiers whose
+        entries are already in memory (host, LMDB's map) copy once, straight from their storage.
+        On a miss or a rejected entry ``out[i]`` is left as it was.
+        """
+        keys = self._check_keys(keys, "keys")
+        if not isinstance(out, Sequence) or len(out) != len(keys):
+            raise ValueError(f"out must be a sequence of {len(keys)} buffers (one per key), got "
+                             f"{type(out).__name__} of length {len(out) if hasattr(out, '__len__') else '?'}")
+        views = [self._check_out(buffer, i) for i, buffer in enumerate(out)]
+        hits = [False] * len(keys)
+        bad_keys = []
+
+        def visit(index: int, entry) -> None:
+            try:
+                views[index][:] = self.codec.decode(entry)
+                hits[index] = True
+            except EntryError as e:
+                self._record_fault(keys[index], e)
+                bad_keys.append(keys[index])
+
+        with self._lock:
+            self._check_open()
+            if keys:
+                self._visit_entries(keys, visit)
+            if bad_keys:
+                self._delete_entries(bad_keys)
+            num_hits = sum(hits)
+            self._stats["hits"] += num_hits
+            self._stats["misses"] += len(keys) - num_hits
+            self._stats["bytes_read"] += num_hits * self.block_bytes
+        return hits
+
     def put(self, items: Sequence[tuple[BlockHash, Any]]) -> int:
         """Store ``(key, payload)`` pairs; returns how many are stored (or were already).
 
@@ -216,6 +252,13 @@ class Tier(ABC):
     def _close(self) -> None:
         """Release resources (called once)."""
 
+    def _visit_entries(self, keys: list[BlockHash], visit) -> None:
+        """Call ``visit(i, entry)`` for each present key; ``entry`` need only stay valid during
+        the call, so a tier may pass a view of its own storage (override to avoid a copy)."""
+        for index, entry in enumerate(self._read_entries(keys)):
+            if entry is not None:
+                visit(index, entry)
+
     # ---------------------------------------------------------------- helpers
     def _record_fault(self, key: BlockHash, error: EntryError) -> None:
         self._stats["faults"] += 1
@@ -229,6 +272,18 @@ class Tier(ABC):
     def _check_open(self) -> None:
         if self._is_closed:
             raise RuntimeError(f"tier {self.name!r} is closed; create a new one to use it again")
+
+    def _check_out(self, buffer, index: int) -> memoryview:
+        try:
+            view = memoryview(buffer)
+            view = view.cast("B") if view.format != "B" or view.ndim != 1 else view
+        except (TypeError, ValueError) as e:
+            raise TypeError(f"out[{index}] must be a writable C-contiguous buffer (numpy array, "
+                            f"bytearray), got {type(buffer).__name__}: {e}") from e
+        if view.readonly or view.nbytes != self.block_bytes:
+            raise ValueError(f"out[{index}] must be writable and hold {self.block_bytes} bytes; got "
+                             f"{view.nbytes} bytes, readonly={view.readonly}")
+        return view
 
     @staticmethod
     def _check_keys(keys: Sequence[BlockHash], argument: str) -> list[BlockHash]:

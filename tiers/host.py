@@ -72,6 +72,15 @@ class HostTier(Tier):
             entries.append(self._rows[slot, :self.slot_lengths[slot]].tobytes())
         return entries
 
+    def _visit_entries(self, keys: list[BlockHash], visit) -> None:
+        # NOTE: views straight into the arena are safe here: the caller holds the tier's lock,
+        # so no put can reuse a slot before visit() has copied it out.
+        for index, key in enumerate(keys):
+            slot = self.key_to_slot.get(key)
+            if slot is not None:
+                self.key_to_slot.move_to_end(key)
+                visit(index, self._rows[slot, :self.slot_lengths[slot]])
+
     def _write_entries(self, items) -> int:
         for key, parts in items:
             slot = self.key_to_slot.get(key)

@@ -115,6 +115,24 @@ class LMDBTier(Tier):
             self._write_txn([])
         return entries
 
+    def _visit_entries(self, keys: list[BlockHash], visit) -> None:
+        # NOTE: with buffers=True an entry is a view of LMDB's map, valid until the read
+        # transaction ends; visit() copies it out before that, so a reload copies only once.
+        now, hit_keys = time.time_ns(), []
+        try:
+            with self.env.begin(buffers=True) as txn:
+                for index, key in enumerate(keys):
+                    entry = txn.get(self._key_prefix + key, db=self._blocks)
+                    if entry is not None:
+                        hit_keys.append(self._key_prefix + key)
+                        visit(index, entry)
+        except lmdb.Error as e:
+            self._count_error("read", e)
+        for db_key in hit_keys:
+            self._pending_access[db_key] = now
+        if len(self._pending_access) >= _FLUSH_ACCESS_EVERY:
+            self._write_txn([])
+
     def _write_entries(self, items) -> int:
         need = sum(self._pages_for(sum(len(p) for p in parts)) for _, parts in items)
         map_bytes = self.capacity_bytes

@@ -74,6 +74,37 @@ class TierTests:
         assert bytes(got[3]) == block_payload(stored[0], self.block_bytes)
         assert tier.get([]) == []
 
+    def test_get_into_copies_hits_into_the_callers_buffers(self, tier):
+        stored, absent = make_keys(2), make_keys(1, salt="absent")
+        tier.put([(k, block_payload(k, self.block_bytes)) for k in stored])
+        out = np.full((3, self.block_bytes), 7, dtype=np.uint8)
+        assert tier.get_into([stored[1], absent[0], stored[0]], list(out)) == [True, False, True]
+        assert out[0].tobytes() == block_payload(stored[1], self.block_bytes)
+        assert (out[1] == 7).all(), "a miss wrote into its buffer"
+        assert out[2].tobytes() == block_payload(stored[0], self.block_bytes)
+        stats = tier.stats()
+        assert (stats["hits"], stats["misses"], stats["bytes_read"]) == (2, 1, 2 * self.block_bytes)
+
+    def test_get_into_rejects_a_bad_entry_without_touching_the_buffer(self, tier):
+        key = make_keys(1)[0]
+        entry = bytearray(tier.codec.encode(block_payload(key, self.block_bytes)))
+        entry[-1] ^= 1
+        replace_raw(tier, key, bytes(entry))
+        out = np.zeros((1, self.block_bytes), dtype=np.uint8)
+        assert tier.get_into([key], list(out)) == [False]
+        assert not out.any() and tier.stats()["faults"] == 1 and tier.exists([key]) == 0
+
+    @pytest.mark.parametrize("out, message", [
+        ("short", "out\\[0\\] must be writable and hold"),
+        ("readonly", "out\\[0\\] must be writable and hold"),
+        ("count", "out must be a sequence of 1 buffers"),
+    ])
+    def test_get_into_checks_its_buffers(self, tier, out, message):
+        buffers = {"short": [bytearray(self.block_bytes - 1)], "readonly": [bytes(self.block_bytes)],
+                   "count": [bytearray(self.block_bytes)] * 2}[out]
+        with pytest.raises(ValueError, match=message):
+            tier.get_into(make_keys(1), buffers)
+
     def test_exists_counts_the_leading_run(self, tier):
         keys = make_keys(5)
         tier.put([(k, block_payload(k, self.block_bytes)) for k in keys[:2] + keys[3:]])

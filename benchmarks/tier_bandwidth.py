@@ -1,0 +1,157 @@
+"""Get/put bandwidth of every tier for SmolLM2-135M blocks, next to a plain memcpy of the same bytes.
+
+One block = 30 layers x 2 (K, V) x 3 KV heads x 16 tokens x 64 head_dim x 4 bytes (float32)
+= 737,280 bytes. Each measurement moves ``--blocks`` blocks in batches of ``--batch`` and is the
+median of ``--repeats`` runs after one untimed warm-up put; every put run uses fresh keys (a re-put of a present block is free
+in most tiers and would flatter them). ``get`` includes header and checksum validation and the
+copy into a preallocated pool buffer; ``get_into`` validates and copies straight from the tier's
+storage into that buffer (what a reload costs before the host-to-device copy). memcpy rows show
+the copy alone, in the get_into column.
+
+    python benchmarks/tier_bandwidth.py [--blocks 32] [--batch 8] [--repeats 5] [--markdown]
+"""
+from __future__ import annotations
+
+import argparse
+import shutil
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+
+import numpy as np
+import torch
+
+from corekv.hashing import block_hashes, chain_seed
+from corekv.tiers.fsspec import FsspecTier
+from corekv.tiers.host import HostTier
+from corekv.tiers.lmdb import LMDBTier
+
+SHAPE = (30, 2, 3, 16, 64)  # layers, K/V, kv heads, block tokens, head_dim
+BLOCK_BYTES = int(np.prod(SHAPE)) * 4
+FINGERPRINT = b"bench-smollm2-135m-float32"
+
+
+def median_seconds(fn, repeats: int) -> float:
+    times = []
+    for rep in range(repeats):
+        start = time.perf_counter()
+        fn(rep)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def memcpy_rates(num_bytes: int, repeats: int) -> dict[str, float]:
+    src = np.random.default_rng(0).integers(0, 256, num_bytes, dtype=np.uint8)
+    dst = np.empty_like(src)
+    src_t, dst_t = torch.from_numpy(src), torch.from_numpy(dst)
+    return {"memcpy (numpy copyto)": num_bytes / median_seconds(lambda _: np.copyto(dst, src), repeats),
+            "memcpy (torch copy_)": num_bytes / median_seconds(lambda _: dst_t.copy_(src_t), repeats)}
+
+
+def measure(tier, args) -> tuple[float, float, float]:
+    rng = np.random.default_rng(1)
+    payloads = [rng.integers(0, 256, BLOCK_BYTES, dtype=np.uint8).tobytes() for _ in range(args.batch)]
+    pool = np.empty((args.batch, BLOCK_BYTES), dtype=np.uint8)
+    keys_by_rep = {rep: block_hashes(list(range(16 * args.blocks)), 16,
+                                     chain_seed("bench", 16, f"rep-{rep}-{uuid.uuid4().hex}"))
+                   for rep in range(-1, args.repeats)}
+
+    def put(rep):
+        keys = keys_by_rep[rep]
+        for i in range(0, len(keys), args.batch):
+            batch = keys[i:i + args.batch]
+            stored = tier.put(list(zip(batch, payloads)))
+            assert stored == len(batch), f"{tier.name} skipped {len(batch) - stored} blocks"
+
+    def get(rep):
+        keys = keys_by_rep[args.repeats - 1]
+        for i in range(0, len(keys), args.batch):
+            for row, payload in enumerate(tier.get(keys[i:i + args.batch])):
+                pool[row] = np.frombuffer(payload, dtype=np.uint8)
+
+    def get_into(rep):
+        keys = keys_by_rep[args.repeats - 1]
+        for i in range(0, len(keys), args.batch):
+            assert all(tier.get_into(keys[i:i + args.batch], list(pool)))
+
+    total = args.blocks * BLOCK_BYTES
+    put(-1)  # NOTE: warm-up: first-touch page faults of a fresh arena or file are not steady state
+    put_rate = total / median_seconds(put, args.repeats)
+    get_rate = total / median_seconds(get, args.repeats)
+    get_into_rate = total / median_seconds(get_into, args.repeats)
+    assert tier.stats()["misses"] == 0 and tier.stats()["faults"] == 0
+    return put_rate, get_rate, get_into_rate
+
+
+def start_redis(workdir: str):
+    binary = shutil.which("redis-server")
+    if binary is None:
+        return None, None
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.Popen([binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "",
+                             "--appendonly", "no", "--dir", workdir],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    for _ in range(200):
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=0.1).close()
+            return proc, f"redis://127.0.0.1:{port}/0"
+        except OSError:
+            time.sleep(0.05)
+    proc.kill()
+    return None, None
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--blocks", type=int, default=32, help="blocks per run")
+    parser.add_argument("--batch", type=int, default=8, help="blocks per tier call")
+    parser.add_argument("--repeats", type=int, default=5, help="runs per measurement (median)")
+    parser.add_argument("--markdown", action="store_true", help="print a Markdown table")
+    args = parser.parse_args(argv)
+    total = args.blocks * BLOCK_BYTES
+    kw = {"block_bytes": BLOCK_BYTES, "fingerprint": FINGERPRINT, "dtype": "float32", "shape": SHAPE}
+    rows = [(name, None, None, rate) for name, rate in memcpy_rates(total, args.repeats).items()]
+    workdir = tempfile.mkdtemp(prefix="corekv-bench-")
+    redis_proc, redis_url = start_redis(workdir)
+    entry = BLOCK_BYTES + 72
+    factories = {
+        "host": lambda: HostTier(size=(args.blocks + 8) * entry, **kw),  # evicts: steady state
+        "lmdb (sync=True)": lambda: LMDBTier(path=f"{workdir}/lmdb-sync", size=4 * args.blocks * args.repeats * entry, **kw),
+        "lmdb (sync=False)": lambda: LMDBTier(path=f"{workdir}/lmdb-nosync", size=4 * args.blocks * args.repeats * entry,
+                                              sync=False, **kw),
+        "fsspec file://": lambda: FsspecTier(url=f"file://{workdir}/fsspec", **kw),
+        "fsspec memory://": lambda: FsspecTier(url=f"memory://corekv-bench-{uuid.uuid4().hex}", **kw),
+    }
+    if redis_url:
+        from corekv.tiers.redis import RedisTier
+        factories["redis (loopback)"] = lambda: RedisTier(url=redis_url, **kw)
+    try:
+        for name, factory in factories.items():
+            with factory() as tier:
+                rows.append((name, *measure(tier, args)))
+    finally:
+        if redis_proc is not None:
+            redis_proc.kill()
+        shutil.rmtree(workdir, ignore_errors=True)
+    memcpy = max(rate for name, put, get, rate in rows if put is None)
+    print(f"{args.blocks} blocks x {BLOCK_BYTES} bytes per run, batches of {args.batch}, "
+          f"median of {args.repeats}; torch {torch.__version__}, Python {sys.version.split()[0]}")
+    text = lambda rate: f"{rate / 1e9:.2f}" if rate is not None else "-"
+    if args.markdown:
+        print("\n| path | put GB/s | get GB/s | get_into GB/s | get_into / memcpy |\n|---|---:|---:|---:|---:|")
+    for name, put, get, get_into in rows:
+        if args.markdown:
+            print(f"| {name} | {text(put)} | {text(get)} | {text(get_into)} | {get_into / memcpy:.0%} |")
+        else:
+            print(f"{name:22s} put {text(put):>6s}  get {text(get):>6s}  get_into {text(get_into):>6s} GB/s"
+                  f"  ({get_into / memcpy:.0%} of memcpy)")
+
+
+if __name__ == "__main__":
+    main()
