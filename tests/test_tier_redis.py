@@ -1,5 +1,6 @@
 """The redis tier against a real redis-server on loopback (tests/redis_server.py)."""
 import subprocess
+import sys
 import threading
 import time
 
@@ -156,7 +157,7 @@ def test_tls_with_rediss_url(tmp_path):
 def test_registered_as_a_plugin_without_importing_redis_at_load(redis_server):  # noqa: F811
     code = ("import sys, corekv; m = corekv.make_plugin_manager(); assert 'redis' in m.tiers(); "
             "print('redis' in sys.modules)")
-    out = subprocess.run([__import__("sys").executable, "-c", code], capture_output=True, text=True, check=True)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
     spec = make_plugin_manager().tiers()["redis"]
     with make_tier(spec, {"url": redis_server.url, "ttl": 5}, block_bytes=4096,

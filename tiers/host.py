@@ -19,6 +19,8 @@ class HostTier(Tier):
     once at construction and never grows.
     """
 
+    supports_listing = True
+
     def __init__(self, *, size: int, block_bytes: int, fingerprint: bytes, dtype: str = "uint8",
                  shape: Sequence[int] | None = None, name: str | None = None,
                  pin_memory: bool | None = None):
@@ -52,8 +54,6 @@ class HostTier(Tier):
     @property
     def num_entries(self) -> int:
         return len(self.key_to_slot)
-
-    supports_listing = True
 
     def keys(self) -> Iterator[BlockHash]:
         with self._lock:

@@ -29,7 +29,8 @@ class LMDBTier(Tier):
     before a write that would take the live pages above ``evict_high`` of the map, the oldest
     entries (of any model) are deleted down to ``evict_low``. LMDB's own lock file serialises
     writers across processes and readers never block; one process opens a path at most once
-    (LMDB's rule), which this class enforces.
+    (LMDB's rule), which this class enforces, and a forked child must open its own (LMDB
+    environments do not survive ``fork``; use the ``spawn`` start method or open after forking).
     """
 
     is_persistent = True
