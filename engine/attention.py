@@ -1,0 +1,122 @@
+"""corekv's paged attention, plugged into transformers through ``AttentionInterface``.
+
+The model's own attention module projects Q/K/V and applies its rotary embedding; this function
+then (1) writes the new K/V into their pool slots and (2) lets every sequence of the flattened
+batch attend causally over its own blocks. No model class is copied or patched: any decoder whose
+modeling code dispatches through ``AttentionInterface`` runs unchanged.
+
+The batch layout is fixed by :class:`corekv.engine.model_runner.ModelRunner`: the first
+``num_decode_tokens`` tokens are single-token chunks (decodes, batched into one SDPA call with a
+padding mask); the rest are prefill chunks (one SDPA call each, causal with their cached context).
+
+Called without ``corekv_metadata`` (e.g. by ``model.generate``) it is exactly transformers' SDPA
+attention, so a loaded model remains an ordinary Hugging Face model.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from transformers import AttentionInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+from corekv.engine.kv_pool import KVPool
+
+ATTENTION_NAME = "corekv_paged"
+METADATA_KWARG = "corekv_metadata"
+
+
+@dataclass
+class PrefillSlice:
+    """One prefill chunk inside the flattened batch: tokens ``[token_start, token_end)`` sit at
+    positions ``start_pos ..`` of their sequence, whose first ``context_len`` positions (cached
+    ones included) are in ``block_table`` after this step's write."""
+
+    token_start: int
+    token_end: int
+    start_pos: int
+    context_len: int
+    #: long [num_blocks covering context_len] (unused when start_pos == 0)
+    block_table: torch.Tensor
+    #: bool [1, 1, num_tokens, context_len], True = may attend; None when start_pos == 0 (plain causal)
+    mask: torch.Tensor | None
+
+
+@dataclass
+class AttentionMetadata:
+    """Per-forward description of the batch; built once per step, read by every layer.
+
+    Invariants: ``slot_block_ids[t], slot_offsets[t]`` is token ``t``'s slot; decode tokens come
+    first; ``decode_block_tables`` rows are padded with block 0 and the padding is masked out by
+    ``decode_mask`` (None when every decode row is exactly full).
+    """
+
+    kv_pool: KVPool
+    slot_block_ids: torch.Tensor
+    slot_offsets: torch.Tensor
+    num_decode_tokens: int = 0
+    decode_block_tables: torch.Tensor | None = None
+    decode_mask: torch.Tensor | None = None
+    prefills: list[PrefillSlice] = field(default_factory=list)
+
+
+def paged_attention_forward(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:
+    """``query`` is ``[1, num_heads, T, head_dim]``, ``key``/``value`` ``[1, num_kv_heads, T, head_dim]``;
+    returns ``([1, T, num_heads, head_dim], None)`` like transformers' own attention functions."""
+    meta: AttentionMetadata | None = kwargs.get(METADATA_KWARG)
+    if meta is None:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling,
+                                      dropout=dropout, **kwargs)
+    k_cache, v_cache = meta.kv_pool.layer_kv(module.layer_idx)
+    _, num_heads, num_tokens, head_dim = query.shape
+    num_kv_heads = key.shape[1]
+    # NOTE: the projections are laid out [T, heads, dim] in memory; these transposes are views.
+    k_cache[meta.slot_block_ids, meta.slot_offsets] = key[0].transpose(0, 1)
+    v_cache[meta.slot_block_ids, meta.slot_offsets] = value[0].transpose(0, 1)
+    queries = query[0].transpose(0, 1)  # [T, H, D]
+    out = query.new_empty(num_tokens, num_heads, head_dim)
+
+    num_decode = meta.num_decode_tokens
+    if num_decode:
+        # NOTE: one query per sequence, so the query heads of a KV group become that group's query
+        # rows ([B, Hkv, G, D]) and SDPA never materialises repeated K/V.
+        q = queries[:num_decode].reshape(num_decode, num_kv_heads, num_heads // num_kv_heads, head_dim)
+        k = _gather(k_cache, meta.decode_block_tables)
+        v = _gather(v_cache, meta.decode_block_tables)
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=meta.decode_mask, scale=scaling)
+        out[:num_decode] = o.reshape(num_decode, num_heads, head_dim)
+
+    gqa = num_heads != num_kv_heads
+    for chunk in meta.prefills:
+        q = query[:, :, chunk.token_start:chunk.token_end]
+        if chunk.start_pos == 0:
+            k = key[:, :, chunk.token_start:chunk.token_end]
+            v = value[:, :, chunk.token_start:chunk.token_end]
+            o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scaling, enable_gqa=gqa)
+        else:
+            table = chunk.block_table[None]
+            k = _gather(k_cache, table)[:, :, :chunk.context_len]
+            v = _gather(v_cache, table)[:, :, :chunk.context_len]
+            o = F.scaled_dot_product_attention(q, k, v, attn_mask=chunk.mask, scale=scaling, enable_gqa=gqa)
+        out[chunk.token_start:chunk.token_end] = o[0].transpose(0, 1)
+    return out[None], None
+
+
+def _gather(cache: torch.Tensor, block_tables: torch.Tensor) -> torch.Tensor:
+    """``[B, num_kv_heads, num_blocks * block_size, head_dim]`` view over a copy of the blocks."""
+    batch, num_blocks = block_tables.shape
+    blocks = cache[block_tables]  # [B, nb, bs, Hkv, D], one gather
+    return blocks.view(batch, num_blocks * cache.shape[1], cache.shape[2], cache.shape[3]).transpose(1, 2)
+
+
+AttentionInterface.register(ATTENTION_NAME, paged_attention_forward)

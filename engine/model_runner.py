@@ -1,0 +1,146 @@
+"""The model runner: one forward over a mixed batch of prefill chunks and decode tokens.
+
+The scheduler hands over :class:`ScheduledChunk` s; the runner flattens them into one
+``[1, T]`` batch (decodes first, see :mod:`corekv.engine.attention`), builds the per-step
+:class:`~corekv.engine.attention.AttentionMetadata` with a few vectorised ops, runs the HF model
+once, and returns the logits of each chunk's last token.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from itertools import chain
+
+import torch
+
+from corekv.errors import CoreKVError
+from corekv.engine.attention import ATTENTION_NAME, METADATA_KWARG, AttentionMetadata, PrefillSlice
+from corekv.engine.kv_pool import KVPool
+from corekv.engine.models import LoadedModel
+
+
+@dataclass
+class ScheduledChunk:
+    """Tokens ``token_ids`` at positions ``start_pos .. start_pos + len - 1`` of one sequence.
+
+    The KV of positions ``< start_pos`` is already in the pool through ``block_table``, and
+    ``block_table`` covers every position of the chunk (it may be longer).
+    """
+
+    token_ids: list[int]
+    start_pos: int
+    block_table: list[int]
+
+
+class ModelRunner:
+    """Runs a :class:`LoadedModel` over a :class:`KVPool` (shapes, dtype and device must match).
+
+    Invariant: :meth:`execute` writes exactly the chunks' slots of the pool and reads only
+    blocks named in the chunks' block tables.
+    """
+
+    def __init__(self, loaded: LoadedModel, kv_pool: KVPool) -> None:
+        expected = (loaded.num_layers, loaded.num_kv_heads, loaded.head_dim, loaded.dtype, loaded.device)
+        got = (kv_pool.num_layers, kv_pool.num_kv_heads, kv_pool.head_dim, kv_pool.dtype, kv_pool.device)
+        if expected != got:
+            raise CoreKVError(
+                f"ModelRunner: kv_pool (layers, kv heads, head_dim, dtype, device) = {got} does not match the "
+                f"model's {expected}; build the KVPool from the LoadedModel's fields"
+            )
+        if loaded.hf_config._attn_implementation != ATTENTION_NAME:
+            loaded.model.set_attn_implementation(ATTENTION_NAME)
+        self.loaded = loaded
+        self.model = loaded.model
+        self.kv_pool = kv_pool
+        self.block_size = kv_pool.block_size
+        self.device = kv_pool.device
+
+    @torch.inference_mode()
+    def execute(self, chunks: Sequence[ScheduledChunk]) -> torch.Tensor:
+        """Run one step; returns float32 logits ``[len(chunks), vocab]`` of each chunk's last token."""
+        if not chunks:
+            raise CoreKVError("ModelRunner.execute: chunks is empty; schedule at least one chunk")
+        # NOTE: single-token chunks (decodes, or a 1-token prompt) go first so they form one batched
+        # attention call; `order` maps the runner's layout back to the caller's order.
+        order = sorted(range(len(chunks)), key=lambda i: len(chunks[i].token_ids) != 1)
+        ordered = [chunks[i] for i in order]
+        self._validate(ordered)
+        meta, input_ids, positions, last_index = self._prepare(ordered)
+        out = self.model(input_ids=input_ids[None], position_ids=positions[None], use_cache=False,
+                         logits_to_keep=last_index, **{METADATA_KWARG: meta})
+        logits = out.logits[0].float()
+        result = torch.empty_like(logits)
+        result[torch.tensor(order, device=logits.device)] = logits
+        return result
+
+    def _prepare(self, chunks: list[ScheduledChunk]):
+        bs, device = self.block_size, self.device
+        lengths = [len(c.token_ids) for c in chunks]
+        starts = [c.start_pos for c in chunks]
+        num_blocks = [(s + n + bs - 1) // bs for s, n in zip(starts, lengths)]
+        tables = [c.block_table[:nb] for c, nb in zip(chunks, num_blocks)]
+        # Per-token positions and slots, vectorised over the whole batch.
+        lengths_t = torch.tensor(lengths)
+        chunk_of_token = torch.repeat_interleave(torch.arange(len(chunks)), lengths_t)
+        token_starts = torch.cumsum(lengths_t, 0) - lengths_t
+        positions = torch.tensor(starts)[chunk_of_token] + torch.arange(int(lengths_t.sum())) - token_starts[chunk_of_token]
+        nb_t = torch.tensor(num_blocks)
+        flat_tables = torch.tensor(list(chain.from_iterable(tables)), dtype=torch.long)
+        table_bases = torch.cumsum(nb_t, 0) - nb_t
+        slot_block_ids = flat_tables[table_bases[chunk_of_token] + positions // bs]
+
+        num_decode = sum(1 for n in lengths if n == 1)
+        decode_tables = decode_mask = None
+        if num_decode:
+            max_blocks = max(num_blocks[:num_decode])
+            decode_tables = torch.tensor([t + [0] * (max_blocks - len(t)) for t in tables[:num_decode]],
+                                         dtype=torch.long, device=device)
+            context = torch.tensor(starts[:num_decode]) + 1
+            if bool((context != max_blocks * bs).any()):
+                decode_mask = (torch.arange(max_blocks * bs)[None] < context[:, None])[:, None, None].to(device)
+        prefills = []
+        for i in range(num_decode, len(chunks)):
+            start, n = starts[i], lengths[i]
+            mask = None
+            if start:
+                query_pos = torch.arange(start, start + n)
+                mask = (torch.arange(start + n)[None] <= query_pos[:, None])[None, None].to(device)
+            begin = int(token_starts[i])
+            prefills.append(PrefillSlice(begin, begin + n, start, start + n,
+                                         torch.tensor(tables[i], dtype=torch.long, device=device), mask))
+        meta = AttentionMetadata(
+            kv_pool=self.kv_pool,
+            slot_block_ids=slot_block_ids.to(device),
+            slot_offsets=(positions % bs).to(device),
+            num_decode_tokens=num_decode,
+            decode_block_tables=decode_tables,
+            decode_mask=decode_mask,
+            prefills=prefills,
+        )
+        input_ids = torch.tensor(list(chain.from_iterable(c.token_ids for c in chunks)), dtype=torch.long)
+        last_index = torch.cumsum(lengths_t, 0) - 1
+        return meta, input_ids.to(device), positions.to(device), last_index.to(device)
+
+    def _validate(self, chunks: list[ScheduledChunk]) -> None:
+        bs, num_blocks = self.block_size, self.kv_pool.num_blocks
+        for chunk in chunks:
+            if not isinstance(chunk, ScheduledChunk):
+                raise CoreKVError(f"ModelRunner.execute: expected ScheduledChunk items, got {type(chunk).__name__}")
+            if not chunk.token_ids or not isinstance(chunk.start_pos, int) or chunk.start_pos < 0:
+                raise CoreKVError(
+                    f"ModelRunner.execute: a chunk needs >= 1 token and start_pos >= 0, got "
+                    f"{len(chunk.token_ids)} tokens at start_pos={chunk.start_pos!r}"
+                )
+            needed = (chunk.start_pos + len(chunk.token_ids) + bs - 1) // bs
+            if len(chunk.block_table) < needed:
+                raise CoreKVError(
+                    f"ModelRunner.execute: a chunk ending at position {chunk.start_pos + len(chunk.token_ids)} needs "
+                    f"{needed} blocks of {bs} tokens but its block_table has {len(chunk.block_table)}; allocate "
+                    "blocks before scheduling the chunk"
+                )
+            table = chunk.block_table[:needed]
+            if min(table) < 0 or max(table) >= num_blocks:
+                raise CoreKVError(
+                    f"ModelRunner.execute: block_table {table} has ids outside [0, {num_blocks}); "
+                    "this indicates a bug in the block allocation"
+                )

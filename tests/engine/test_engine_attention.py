@@ -1,0 +1,211 @@
+"""Paged attention through the ModelRunner equals the HF model's own forward.
+
+The reference is the very same HF model run with transformers' SDPA attention and no cache, on the
+whole sequence at once; the runner computes the same positions chunk by chunk, from shuffled,
+non-contiguous blocks, mixed with other sequences' decode tokens.
+"""
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from corekv.errors import CoreKVError
+from corekv.engine.kv_pool import KVPool
+from corekv.engine.model_runner import ModelRunner, ScheduledChunk
+
+
+def make_runner(loaded, num_blocks=64, block_size=16):
+    pool = KVPool(loaded.num_layers, num_blocks, block_size, loaded.num_kv_heads, loaded.head_dim,
+                  loaded.dtype, loaded.device)
+    return ModelRunner(loaded, pool)
+
+
+def reference_logits(loaded, hf_attention, token_ids):
+    with hf_attention(loaded) as model, torch.no_grad():
+        return model(torch.tensor([token_ids]), use_cache=False).logits[0].float()
+
+
+def random_ids(seed, n, vocab=259):
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randint(3, vocab, (n,), generator=generator).tolist()
+
+
+def shuffled_tables(num_blocks, sizes, seed=0):
+    """Disjoint, shuffled block tables (so no sequence's blocks are contiguous or in order)."""
+    ids = list(range(num_blocks))
+    random.Random(seed).shuffle(ids)
+    tables, at = [], 0
+    for size in sizes:
+        tables.append(ids[at:at + size])
+        at += size
+    return tables
+
+
+def test_one_chunk_prefill_matches_hf(tiny_llama, hf_attention):
+    ids = random_ids(0, 70)
+    runner = make_runner(tiny_llama)
+    (table,) = shuffled_tables(64, [5])
+    logits = runner.execute([ScheduledChunk(ids, 0, table)])
+    assert logits.shape == (1, tiny_llama.vocab_size) and logits.dtype == torch.float32
+    torch.testing.assert_close(logits[0], reference_logits(tiny_llama, hf_attention, ids)[-1], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("block_size", [16, 32])
+def test_chunked_prefill_then_decode_matches_hf(tiny_llama, hf_attention, block_size):
+    ids = random_ids(1, 120)
+    reference = reference_logits(tiny_llama, hf_attention, ids)
+    runner = make_runner(tiny_llama, num_blocks=32, block_size=block_size)
+    (table,) = shuffled_tables(32, [120 // block_size + 1], seed=block_size)
+    bounds = [0, 7, 40, 41, 90, 100]  # chunk ends fall inside blocks and on block edges
+    for start, end in zip(bounds, bounds[1:]):
+        logits = runner.execute([ScheduledChunk(ids[start:end], start, table)])
+        torch.testing.assert_close(logits[0], reference[end - 1], rtol=1e-5, atol=1e-5)
+    for pos in range(100, 120):
+        logits = runner.execute([ScheduledChunk([ids[pos]], pos, table)])
+        torch.testing.assert_close(logits[0], reference[pos], rtol=1e-5, atol=1e-5)
+
+
+def test_mixed_batch_of_prefill_chunks_and_decodes(tiny_llama, hf_attention):
+    seqs = [random_ids(10 + i, n) for i, n in enumerate([50, 33, 17, 64])]
+    references = [reference_logits(tiny_llama, hf_attention, s) for s in seqs]
+    runner = make_runner(tiny_llama, num_blocks=64, block_size=16)
+    tables = shuffled_tables(64, [4, 3, 2, 4], seed=3)
+    # Step 1: seqs 0-2 prefill all but their last token; seq 3 prefills its first 30.
+    runner.execute([ScheduledChunk(s[:-1], 0, t) for s, t in zip(seqs[:3], tables)]
+                   + [ScheduledChunk(seqs[3][:30], 0, tables[3])])
+    # Step 2: seq 3 continues its prefill while seqs 0-2 decode, listed in a mixed order.
+    chunks = [ScheduledChunk([seqs[1][-1]], 32, tables[1]),
+              ScheduledChunk(seqs[3][30:64], 30, tables[3]),
+              ScheduledChunk([seqs[0][-1]], 49, tables[0]),
+              ScheduledChunk([seqs[2][-1]], 16, tables[2])]
+    logits = runner.execute(chunks)
+    expected = torch.stack([references[1][-1], references[3][-1], references[0][-1], references[2][-1]])
+    torch.testing.assert_close(logits, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_two_prefill_chunks_with_cached_context_in_one_step(tiny_llama, hf_attention):
+    a, b = random_ids(20, 60), random_ids(21, 45)
+    ref_a, ref_b = reference_logits(tiny_llama, hf_attention, a), reference_logits(tiny_llama, hf_attention, b)
+    runner = make_runner(tiny_llama, num_blocks=16, block_size=16)
+    ta, tb = shuffled_tables(16, [4, 3], seed=5)
+    runner.execute([ScheduledChunk(a[:20], 0, ta), ScheduledChunk(b[:5], 0, tb)])
+    logits = runner.execute([ScheduledChunk(a[20:60], 20, ta), ScheduledChunk(b[5:45], 5, tb)])
+    torch.testing.assert_close(logits, torch.stack([ref_a[-1], ref_b[-1]]), rtol=1e-5, atol=1e-5)
+
+
+def test_step_writes_only_its_own_slots(tiny_llama):
+    runner = make_runner(tiny_llama, num_blocks=8, block_size=16)
+    pool = runner.kv_pool
+    runner.execute([ScheduledChunk(random_ids(30, 20), 0, [6, 2])])
+    touched = {b for b in range(8) if torch.count_nonzero(pool.storage[b])}
+    assert touched == {6, 2}
+    # positions 20..31 of block 2 were not written
+    assert torch.count_nonzero(pool.storage[2][:, :, 4:]) == 0
+
+
+def test_prefix_blocks_from_another_sequence_are_reused(tiny_llama, hf_attention):
+    """A sequence whose first blocks were computed by another one (a prefix-cache hit) only
+    computes its own suffix, and gets the same logits."""
+    shared = random_ids(40, 32)
+    a, b = shared + random_ids(41, 10), shared + random_ids(42, 13)
+    runner = make_runner(tiny_llama, num_blocks=16, block_size=16)
+    runner.execute([ScheduledChunk(a, 0, [9, 4, 11])])
+    logits = runner.execute([ScheduledChunk(b[32:], 32, [9, 4, 7])])
+    torch.testing.assert_close(logits[0], reference_logits(tiny_llama, hf_attention, b)[-1], rtol=1e-5, atol=1e-5)
+
+
+def test_model_without_metadata_is_plain_hf(tiny_llama, hf_attention):
+    """Outside the runner the loaded model still works as an ordinary HF model (generate, forward)."""
+    ids = torch.tensor([random_ids(50, 12)])
+    ours = tiny_llama.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=8, do_sample=False)
+    with hf_attention(tiny_llama) as model:
+        theirs = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=8, do_sample=False)
+    assert torch.equal(ours, theirs)
+
+
+def test_bad_chunks_are_refused(tiny_llama):
+    runner = make_runner(tiny_llama, num_blocks=4, block_size=16)
+    with pytest.raises(CoreKVError, match="chunks is empty"):
+        runner.execute([])
+    with pytest.raises(CoreKVError, match="needs 2 blocks"):
+        runner.execute([ScheduledChunk(list(range(3, 20)), 0, [0])])
+    with pytest.raises(CoreKVError, match=r"outside \[0, 4\)"):
+        runner.execute([ScheduledChunk([5], 0, [4])])
+    with pytest.raises(CoreKVError, match="start_pos"):
+        runner.execute([ScheduledChunk([], 0, [0])])
+
+
+def test_pool_must_match_the_model(tiny_llama):
+    pool = KVPool(tiny_llama.num_layers + 1, 4, 16, tiny_llama.num_kv_heads, tiny_llama.head_dim)
+    with pytest.raises(CoreKVError, match="does not match"):
+        ModelRunner(tiny_llama, pool)
+
+
+# ---- SmolLM2 (the real model, float32) ------------------------------------------------------
+
+def greedy_with_runner(runner, prompts, max_new_tokens, chunk_size, eos_token_ids):
+    """Greedy-decode every prompt together: prompts are prefilled ``chunk_size`` tokens per step,
+    alongside the other prompts' decode tokens (continuous batching by hand); a sequence stops
+    after ``max_new_tokens`` or an end-of-sequence token, as ``generate`` does."""
+    bs = runner.block_size
+    tables = shuffled_tables(runner.kv_pool.num_blocks,
+                             [-(-(len(p) + max_new_tokens) // bs) for p in prompts], seed=7)
+    done = [0] * len(prompts)  # prompt tokens already in the pool
+    outputs = [[] for _ in prompts]
+    def finished(out):
+        return len(out) >= max_new_tokens or (out and out[-1] in eos_token_ids)
+
+    while not all(finished(o) for o in outputs):
+        chunks, owners = [], []
+        for i, prompt in enumerate(prompts):
+            if finished(outputs[i]):
+                continue
+            if done[i] < len(prompt):
+                end = min(len(prompt), done[i] + chunk_size)
+                chunks.append(ScheduledChunk(prompt[done[i]:end], done[i], tables[i]))
+            else:
+                pos = len(prompt) + len(outputs[i]) - 1
+                chunks.append(ScheduledChunk([outputs[i][-1]], pos, tables[i]))
+            owners.append(i)
+        logits = runner.execute(chunks)
+        for row, i in enumerate(owners):
+            if done[i] < len(prompts[i]):
+                done[i] += len(chunks[row].token_ids)
+                if done[i] < len(prompts[i]):
+                    continue
+            outputs[i].append(int(logits[row].argmax()))
+    return outputs
+
+
+def test_smollm2_greedy_equals_hf_generate(smollm2, hf_attention):
+    prompts = [
+        smollm2.encode_prompt([{"role": "user", "content": "What is the capital of France?"}]),
+        smollm2.encode_prompt("The three laws of thermodynamics are"),
+        smollm2.encode_prompt([{"role": "system", "content": "You are a concise assistant. " * 20},
+                               {"role": "user", "content": "Name two prime numbers."}]),
+    ]
+    max_new_tokens = 24
+    expected = []
+    with hf_attention(smollm2) as model:
+        for prompt in prompts:
+            ids = torch.tensor([prompt])
+            out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
+                                 do_sample=False)
+            expected.append(out[0, len(prompt):].tolist())
+    runner = make_runner(smollm2, num_blocks=64, block_size=16)
+    outputs = greedy_with_runner(runner, prompts, max_new_tokens, 48, smollm2.eos_token_ids)
+    assert outputs == expected
+
+
+def test_smollm2_logits_match_hf_with_block_size_32(smollm2, hf_attention):
+    prompt = smollm2.encode_prompt("Paged attention stores keys and values in fixed-size blocks, so " * 4)
+    reference = reference_logits(smollm2, hf_attention, prompt)
+    runner = make_runner(smollm2, num_blocks=16, block_size=32)
+    (table,) = shuffled_tables(16, [-(-len(prompt) // 32)], seed=1)
+    split = len(prompt) // 2
+    first = runner.execute([ScheduledChunk(prompt[:split], 0, table)])
+    second = runner.execute([ScheduledChunk(prompt[split:], split, table)])
+    torch.testing.assert_close(first[0], reference[split - 1], rtol=1e-4, atol=1e-3)
+    torch.testing.assert_close(second[0], reference[-1], rtol=1e-4, atol=1e-3)
