@@ -174,3 +174,16 @@ def test_registered_as_a_plugin_with_defaults(tmp_path):
 def test_bad_options_name_the_option(tmp_path, kwargs, message):
     with pytest.raises(ValueError, match=message):
         open_tier(tmp_path, **{"size": 1024**2, **kwargs})
+
+
+def test_reads_of_a_full_map_never_raise_while_recording_access(tmp_path):
+    """Access stamps are flushed every 256 hits in a write transaction, which a full map may refuse."""
+    with open_tier(tmp_path, size=256 * 1024, evict_high=1.0, evict_low=0.99) as tier:
+        keys = make_keys(64, salt="full-reads")
+        for key in keys:
+            tier.put_one(key, block_payload(key, 4096))
+        present = [k for k, p in zip(keys, tier.get(keys)) if p is not None]
+        assert present, "nothing fitted in the map"
+        for _ in range(300 // len(present) + 1):
+            assert all(p is not None for p in tier.get(present))
+        assert tier.stats()["faults"] == 0

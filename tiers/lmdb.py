@@ -113,7 +113,7 @@ class LMDBTier(Tier):
             if entry is not None:
                 self._pending_access[self._key_prefix + key] = now
         if len(self._pending_access) >= _FLUSH_ACCESS_EVERY:
-            self._write_txn([])
+            self._flush_access()
         return entries
 
     def _visit_entries(self, keys: list[BlockHash], visit) -> None:
@@ -132,7 +132,7 @@ class LMDBTier(Tier):
         for db_key in hit_keys:
             self._pending_access[db_key] = now
         if len(self._pending_access) >= _FLUSH_ACCESS_EVERY:
-            self._write_txn([])
+            self._flush_access()
 
     def _write_entries(self, items) -> int:
         need = sum(self._pages_for(sum(len(p) for p in parts)) for _, parts in items)
@@ -179,16 +179,24 @@ class LMDBTier(Tier):
 
     def _close(self) -> None:
         try:
-            if self._pending_access:
-                self._write_txn([])
-        except lmdb.Error as e:
-            self._count_error("close", e)
+            self._flush_access()
         finally:
             self.env.close()
             with _open_paths_lock:
                 _open_paths.discard(self.path)
 
     # ---------------------------------------------------------------- helpers
+    def _flush_access(self) -> None:
+        if not self._pending_access:
+            return
+        try:
+            self._write_txn([])
+        except lmdb.Error as e:
+            # NOTE: access stamps only order eviction; losing a batch of them (map full, disk
+            # error) must never turn a successful read into an exception.
+            self._pending_access.clear()
+            self._count_error("access update", e)
+
     def _write_txn(self, items) -> int:
         now = time.time_ns().to_bytes(8, "little")
         num_written = num_bytes = 0
