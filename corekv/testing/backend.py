@@ -1,0 +1,253 @@
+"""``BackendTests``: the conformance suite every prefix-cache backend's tests subclass.
+
+Usage (a third-party backend does exactly what corekv's own tests do)::
+
+    from corekv.testing import BackendTests
+
+    class TestMyBackend(BackendTests):
+        def make_backend(self, num_blocks, block_size, **options):
+            return MyBackend(num_blocks, block_size, **options)
+
+``make_backend`` must return an empty backend whose blocks carry their prefix hash
+(``block_hash``), with events recorded; ``options`` is only ever ``max_pinned_fraction``.
+The suite drives the backend through the verbs of :class:`corekv.backend.PrefixCacheBackend`
+the way the engine does (``Request`` below) and checks only observable behaviour.
+"""
+from __future__ import annotations
+
+import pytest
+
+from corekv.backend import PinLimitError, PrefixCacheBackend
+from corekv.hashing import PrefixKey, chain_seed
+
+MODEL = "corekv-testing-model"
+
+
+def make_key(tokens, block_size: int, salt: str | None = None) -> PrefixKey:
+    return PrefixKey(tokens, block_size, chain_seed(MODEL, block_size, cache_salt=salt))
+
+
+class Request:
+    """One request as the engine runs it: match, acquire, allocate, cache; ``finish`` frees."""
+
+    def __init__(self, backend: PrefixCacheBackend, tokens, salt: str | None = None):
+        bs = backend.block_size
+        self.backend, self.key = backend, make_key(tokens, bs, salt)
+        self.hit = backend.match(self.key, max_blocks=(len(tokens) - 1) // bs)
+        backend.acquire(self.hit)
+        fresh = backend.allocate(-(-len(tokens) // bs) - len(self.hit))
+        if fresh is None:
+            backend.free(self.hit)
+            raise MemoryError("pool too small for this request")
+        self.table = self.hit + fresh
+        backend.cache(self.key, self.table[:self.key.num_full_blocks])
+
+    @property
+    def num_hit_tokens(self) -> int:
+        return len(self.hit) * self.backend.block_size
+
+    def finish(self) -> None:
+        self.backend.free(self.table)
+
+
+def tokens(n: int, start: int = 100) -> list[int]:
+    return list(range(start, start + n))
+
+
+class BackendTests:
+    """Behaviour every :class:`~corekv.backend.PrefixCacheBackend` must have."""
+
+    block_size = 4
+
+    def make_backend(self, num_blocks: int, block_size: int, **options) -> PrefixCacheBackend:
+        raise NotImplementedError("subclasses of BackendTests define make_backend(num_blocks, block_size)")
+
+    def backend(self, num_blocks: int = 16, **options) -> PrefixCacheBackend:
+        return self.make_backend(num_blocks, self.block_size, **options)
+
+    # -- lookup ------------------------------------------------------------------------------
+    def test_an_empty_backend_matches_nothing_and_has_every_block_free(self):
+        b = self.backend(8)
+        assert b.match(make_key(tokens(20), self.block_size)) == []
+        assert b.num_free_blocks == 8 and b.num_pinned_blocks == 0
+        assert {"num_blocks", "num_free_blocks", "num_pinned_blocks"} <= set(b.stats())
+
+    def test_a_finished_request_full_blocks_are_hit_by_the_next(self):
+        b, bs = self.backend(), self.block_size
+        Request(b, tokens(3 * bs + 1)).finish()
+        second = Request(b, tokens(3 * bs) + [7, 7])
+        assert second.num_hit_tokens == 3 * bs
+
+    def test_only_full_blocks_are_cached(self):
+        b, bs = self.backend(), self.block_size
+        Request(b, tokens(2 * bs + bs // 2)).finish()
+        assert len(b.match(make_key(tokens(2 * bs + bs // 2), bs))) == 2
+
+    def test_match_stops_at_max_blocks(self):
+        b, bs = self.backend(), self.block_size
+        Request(b, tokens(4 * bs)).finish()
+        assert len(b.match(make_key(tokens(4 * bs), bs), max_blocks=2)) == 2
+        assert b.match(make_key(tokens(4 * bs), bs), max_blocks=0) == []
+
+    def test_the_last_prompt_token_is_never_hit(self):
+        b, bs = self.backend(), self.block_size
+        Request(b, tokens(2 * bs)).finish()
+        assert Request(b, tokens(2 * bs)).num_hit_tokens == bs  # not 2 * bs: logits need one
+
+    def test_match_is_read_only(self):
+        b, bs = self.backend(4), self.block_size
+        Request(b, tokens(2 * bs)).finish()
+        before = b.num_free_blocks
+        hit = b.match(make_key(tokens(2 * bs), bs))
+        assert len(hit) == 2 and b.num_free_blocks == before
+        assert b.allocate(4) is not None  # unreferenced: still evictable
+
+    def test_a_block_hits_only_after_the_same_whole_prefix(self):
+        b, bs = self.backend(), self.block_size
+        Request(b, [1] * bs + tokens(bs) + [0]).finish()
+        assert b.match(make_key([2] * bs + tokens(bs), bs)) == []
+
+    def test_different_salts_never_share_a_block(self):
+        b, bs = self.backend(), self.block_size
+        a = Request(b, tokens(3 * bs), salt="tenant-a")
+        other = Request(b, tokens(3 * bs), salt="tenant-b")
+        assert other.hit == [] and not set(a.table) & set(other.table)
+        assert Request(b, tokens(3 * bs), salt="tenant-a").num_hit_tokens == 2 * bs
+
+    # -- ownership ---------------------------------------------------------------------------
+    def test_allocate_hands_out_distinct_blocks_or_none_without_change(self):
+        b = self.backend(8)
+        first = b.allocate(5)
+        assert len(set(first)) == 5 and all(0 <= i < 8 for i in first)
+        assert b.allocate(4) is None and b.num_free_blocks == 3
+        assert not set(b.allocate(3)) & set(first)
+        assert b.allocate(0) == []
+
+    def test_referenced_blocks_are_never_evicted(self):
+        b, bs = self.backend(4), self.block_size
+        held = Request(b, tokens(2 * bs))
+        assert b.allocate(3) is None
+        fresh = b.allocate(2)
+        assert not set(fresh) & set(held.table)
+        assert b.match(make_key(tokens(2 * bs), bs)) == held.table
+
+    def test_eviction_takes_the_least_recently_used_prefix(self):
+        b, bs = self.backend(4), self.block_size
+        Request(b, tokens(2 * bs, start=100)).finish()
+        Request(b, tokens(2 * bs, start=500)).finish()
+        Request(b, tokens(2 * bs, start=100) + [1]).finish()  # touches the first prefix again
+        assert b.allocate(2) is not None
+        assert len(b.match(make_key(tokens(2 * bs, start=100), bs))) == 2
+        assert b.match(make_key(tokens(2 * bs, start=500), bs)) == []
+
+    def test_a_prefix_is_evicted_from_its_tail(self):
+        b, bs = self.backend(3), self.block_size
+        r = Request(b, tokens(3 * bs))
+        r.finish()
+        b.allocate(1)
+        is_cached = [b.block_hash(i) is not None for i in r.table]
+        assert is_cached.count(True) < 3
+        assert is_cached == sorted(is_cached, reverse=True)  # no cached block after an evicted one
+
+    def test_the_same_prefix_computed_twice_keeps_one_copy(self):
+        b, bs = self.backend(8), self.block_size
+        a, twin = Request(b, tokens(2 * bs)), Request(b, [5] + tokens(2 * bs))
+        twin_key = make_key(tokens(2 * bs) + [9], bs)
+        dup = b.allocate(2)
+        b.cache(twin_key, dup)  # same prefix as ``a``, computed again into other blocks
+        assert b.match(twin_key) == a.table
+        for r in (a, twin):
+            r.finish()
+        b.free(dup)
+        assert b.num_free_blocks == 8
+
+    def test_free_rejects_blocks_not_in_use(self):
+        b = self.backend(4)
+        ids = b.allocate(2)
+        b.free(ids)
+        with pytest.raises(ValueError, match="not in use"):
+            b.free(ids)
+        with pytest.raises(ValueError, match="block"):
+            b.free([99])
+
+    def test_bad_arguments_name_the_argument(self):
+        b, bs = self.backend(4), self.block_size
+        with pytest.raises(ValueError, match="num_blocks"):
+            b.allocate(-1)
+        with pytest.raises(ValueError, match="max_blocks"):
+            b.match(make_key(tokens(bs), bs), max_blocks=-1)
+        with pytest.raises(TypeError, match="PrefixKey"):
+            b.match(tokens(bs))
+        with pytest.raises(ValueError, match="block_size"):
+            b.match(make_key(tokens(2 * bs), bs + 1))
+        ids = b.allocate(2)
+        with pytest.raises(ValueError, match="full blocks"):
+            b.cache(make_key(tokens(bs), bs), ids)
+
+    # -- write-back and events ---------------------------------------------------------------
+    def test_block_hash_is_the_chained_hash_of_the_cached_prefix(self):
+        b, bs = self.backend(), self.block_size
+        r = Request(b, tokens(3 * bs + 1))
+        num_full = r.key.num_full_blocks
+        assert [b.block_hash(i) for i in r.table[:num_full]] == r.key.block_hashes
+        assert all(b.block_hash(i) is None for i in r.table[num_full:])  # a partial block: none
+
+    def test_evicted_blocks_are_offered_with_their_hash_before_reuse(self):
+        b, bs = self.backend(2), self.block_size
+        r = Request(b, tokens(2 * bs))
+        hashes = dict(zip(r.table, r.key.block_hashes))
+        r.finish()
+        seen = []
+        b.on_evict = lambda evicted: seen.extend((e.block_id, e.block_hash) for e in evicted)
+        fresh = b.allocate(2)
+        assert sorted(seen) == sorted(hashes.items()) and sorted(fresh) == sorted(hashes)
+        assert all(b.block_hash(i) is None for i in fresh)
+
+    def test_events_report_stored_then_removed_hashes(self):
+        b, bs = self.backend(2), self.block_size
+        r = Request(b, tokens(2 * bs))
+        r.finish()
+        b.allocate(2)
+        events = b.take_events()
+        stored = [h for e in events if e.kind == "stored" for h in e.block_hashes]
+        removed = [h for e in events if e.kind == "removed" for h in e.block_hashes]
+        assert stored == r.key.block_hashes and sorted(removed) == sorted(stored)
+        assert b.take_events() == []
+
+    # -- pinning -----------------------------------------------------------------------------
+    def test_pinned_prefix_survives_any_pressure_until_unpinned(self):
+        b, bs = self.backend(10, max_pinned_fraction=0.5), self.block_size
+        Request(b, tokens(3 * bs)).finish()
+        key = make_key(tokens(3 * bs), bs)
+        assert b.pin(key) == 3 and b.num_pinned_blocks == 3
+        assert b.allocate(8) is None
+        b.free(b.allocate(7))
+        assert len(b.match(key)) == 3
+        assert b.unpin(key) == 3 and b.num_pinned_blocks == 0
+        assert b.allocate(10) is not None
+
+    def test_pinning_past_the_cap_raises_and_changes_nothing(self):
+        b, bs = self.backend(10, max_pinned_fraction=0.2), self.block_size
+        Request(b, tokens(3 * bs)).finish()
+        with pytest.raises(PinLimitError, match=r"3 more block.*cap of 2.*max_pinned_fraction"):
+            b.pin(make_key(tokens(3 * bs), bs))
+        assert b.num_pinned_blocks == 0 and b.num_free_blocks == 10
+
+    def test_overlapping_pins_count_blocks_once(self):
+        b, bs = self.backend(10, max_pinned_fraction=0.3), self.block_size
+        Request(b, tokens(3 * bs)).finish()
+        assert b.pin(make_key(tokens(2 * bs), bs)) == 2
+        assert b.pin(make_key(tokens(3 * bs), bs)) == 3
+        assert b.num_pinned_blocks == 3
+        assert b.unpin(make_key(tokens(3 * bs), bs)) == 3 and b.num_pinned_blocks == 2
+        assert b.unpin(make_key(tokens(3 * bs), bs)) == 0
+
+    # -- reset -------------------------------------------------------------------------------
+    def test_reset_forgets_everything_but_not_while_blocks_are_in_use(self):
+        b, bs = self.backend(8), self.block_size
+        r = Request(b, tokens(2 * bs))
+        with pytest.raises(RuntimeError, match="in use"):
+            b.reset()
+        r.finish()
+        b.reset()
+        assert b.match(r.key) == [] and b.num_free_blocks == 8
