@@ -21,6 +21,7 @@ import enum
 import math
 import struct
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import xxhash
 
@@ -152,6 +153,33 @@ class EntryCodec:
         if length != self.payload_bytes:
             raise EntryError(EntryFault.LENGTH, f"payload length {length}, expected {self.payload_bytes}")
         raise EntryError(EntryFault.CHECKSUM, "header bytes were altered")
+
+
+@dataclass(frozen=True)
+class EntryHeader:
+    """What an entry's header claims (unverified): for tools that list a store's models."""
+
+    version: int
+    dtype: str
+    shape: tuple[int, ...]
+    model_digest: bytes
+    payload_bytes: int
+
+
+def read_header(data) -> EntryHeader:
+    """Parse an entry's header without checking it against a model (``corekv store ls``).
+
+    Raises :class:`EntryError` (``TRUNCATED`` or ``MAGIC``) when ``data`` is not an entry at all.
+    """
+    view = memoryview(data).cast("B")
+    if view.nbytes < HEADER_SIZE:
+        raise EntryError(EntryFault.TRUNCATED, f"{view.nbytes} bytes, shorter than a header")
+    magic, version, code, ndim, model, *rest = _HEADER.unpack(view[:HEADER_SIZE])
+    if magic != MAGIC:
+        raise EntryError(EntryFault.MAGIC, f"magic {magic!r}, expected {MAGIC!r}")
+    return EntryHeader(version=version, dtype=_CODE_TO_DTYPE.get(code, f"unknown({code})"),
+                       shape=tuple(rest[:min(ndim, MAX_DIMS)]), model_digest=model,
+                       payload_bytes=rest[MAX_DIMS])
 
 
 def encode_entry(payload, *, fingerprint: bytes | str, dtype: str, shape: Sequence[int]) -> bytes:

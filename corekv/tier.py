@@ -208,6 +208,17 @@ class Tier(ABC):
         with self._lock:
             return dict(self._stats)
 
+    def describe(self) -> dict[str, Any]:
+        """Name, type, capabilities, block layout and usage (for ``corekv store stats``)."""
+        return {
+            "name": self.name, "type": type(self).__name__, "model": self.fp12,
+            "dtype": self.codec.dtype, "shape": self.codec.shape, "block_bytes": self.block_bytes,
+            "capacity_bytes": self.capacity_bytes, "used_bytes": self.used_bytes,
+            "num_entries": self.num_entries,
+            **{flag: getattr(self, flag) for flag in ("is_persistent", "is_shared", "supports_ttl",
+                                                       "supports_listing")},
+        }
+
     def keys(self) -> Iterator[BlockHash]:
         """Every key of this model in the tier (only when ``supports_listing``)."""
         raise NotImplementedError(f"tier {self.name!r} cannot list its keys (supports_listing=False)")

@@ -4,7 +4,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from corekv.block_format import (HEADER_SIZE, EntryCodec, EntryError, EntryFault, decode_entry,
-                                 encode_entry)
+                                 encode_entry, fingerprint_digest, read_header)
 
 SPEC = {"fingerprint": b"model-a", "dtype": "float32", "shape": (2, 3, 4)}
 PAYLOAD = bytes(range(96))
@@ -86,3 +86,12 @@ def test_no_single_bit_flip_ever_decodes(payload, position, bit):
     entry[position] ^= 1 << bit
     with pytest.raises(EntryError):
         decode_entry(bytes(entry), **spec)
+
+
+def test_read_header_reports_what_an_entry_claims_without_a_model():
+    header = read_header(encode_entry(PAYLOAD, **SPEC))
+    assert (header.dtype, header.shape, header.payload_bytes) == ("float32", (2, 3, 4), 96)
+    assert header.model_digest == fingerprint_digest(b"model-a") and header.version == 1
+    with pytest.raises(EntryError) as info:
+        read_header(b"not an entry at all, but long enough to hold a header" * 2)
+    assert info.value.reason == EntryFault.MAGIC

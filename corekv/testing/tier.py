@@ -220,6 +220,13 @@ class TierTests:
         assert tier.num_entries == before + 3
         assert tier.used_bytes >= 3 * self.block_bytes
 
+    def test_describe_reports_layout_capabilities_and_usage(self, tier):
+        key = make_keys(1, salt="describe")[0]
+        tier.put_one(key, block_payload(key, self.block_bytes))
+        info = tier.describe()
+        assert info["block_bytes"] == self.block_bytes and info["num_entries"] == 1
+        assert info["model"] == tier.fp12 and info["is_persistent"] == tier.is_persistent
+
     def test_keys_lists_what_was_stored(self, tier):
         if not tier.supports_listing:
             pytest.skip(f"{type(tier).__name__} does not list keys")
