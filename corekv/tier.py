@@ -250,7 +250,9 @@ class Tier(ABC):
     @abstractmethod
     def _write_entries(self, items: list[tuple[BlockHash, tuple[Any, ...]]]) -> int:
         """Store each key's entry, given as buffers to concatenate (header, payload); return
-        the number stored or already present. Count evictions in ``self._stats``."""
+        the number stored or already present. Count what only the store knows in
+        ``self._stats``: ``puts`` and ``bytes_written`` (entries newly written), ``evictions``,
+        ``errors`` (the store failed; the item is then not counted as stored)."""
 
     @abstractmethod
     def _contains_entries(self, keys: list[BlockHash]) -> list[bool]:
