@@ -110,8 +110,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = commands.add_parser("warm", parents=[common], help="compute and keep a prefix",
                             **_parser_kwargs(
-                                "Compute a prompt's KV so later requests hit it (in this engine and, "
-                                "through the config's tiers, in later ones).",
+                                "Compute a prompt's KV and keep its full blocks cached, so later "
+                                "requests hit it; across processes this needs a persistent tier "
+                                "(lmdb, redis, fsspec) in the config.",
                                 "  corekv warm --config cache.yaml --prompt 'You are a helpful assistant.'\n"
                                 "  corekv warm --config cache.yaml --prompt \"$(cat system.txt)\" "
                                 "--salt tenant-a --pin\n"))
@@ -131,6 +132,10 @@ def main(argv: list[str] | None = None) -> int:
     except SystemExit as e:  # --help
         return e.code if isinstance(e.code, int) else 0
     debug = getattr(args, "debug", False)
+    if args.handler in (_cmd_generate, _cmd_warm) and not debug:
+        # NOTE: transformers and its GGUF reader draw tqdm bars while loading, which bury the one
+        # line of output. tqdm reads TQDM_* variables when it is imported, so set it first.
+        os.environ.setdefault("TQDM_DISABLE", "1")
     logging.basicConfig(level=logging.DEBUG if debug else logging.WARNING,
                         format="%(levelname)s %(name)s: %(message)s")
     try:
@@ -233,6 +238,10 @@ def _cmd_bench_hit_rate(args: argparse.Namespace) -> int:
                 raise UsageError(f"--workloads: got {name!r}; expected a comma-separated list of "
                                  f"{', '.join(available)}{did_you_mean(name, available)}")
         workloads = {name: available[name] for name in names}
+    smallest = max(size for _, _, size in bench.TABLE_COLUMNS)
+    if args.capacity is not None and args.capacity < smallest:
+        raise UsageError(f"--capacity: got {args.capacity}; expected at least {smallest} tokens "
+                         "(one block of the largest block size in the table)")
     rows = bench.hit_rate_table(workloads, capacity=args.capacity)
     print(json.dumps(rows, indent=2) if args.json else bench.format_table(rows))
     return 0
@@ -260,8 +269,7 @@ def _cmd_warm(args: argparse.Namespace) -> int:
     cfg = _load(args)
     with corekv.Engine.from_config(cfg) as engine:
         result = engine.warm(args.prompt, pin=args.pin, cache_salt=args.salt)
-    what = "warmed and pinned" if args.pin else "warmed"
-    print(f"{what}: {result}" if result is not None else what)
+    print(f"{'warmed and pinned' if args.pin else 'warmed'} {result} prompt tokens")
     return 0
 
 

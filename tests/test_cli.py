@@ -1,0 +1,246 @@
+"""The ``corekv`` command line, run both as the installed console script (a real subprocess) and
+in-process through ``corekv.cli.main``: one-line errors without a traceback, exit codes, output."""
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import yaml
+
+import corekv
+from corekv import bench
+from corekv.cli import main
+from corekv.config import load_config
+
+SCRIPT = Path(sys.executable).with_name("corekv")
+
+
+def run(*args: str, env: dict[str, str] | None = None, cwd: Path | None = None) -> subprocess.CompletedProcess:
+    """``corekv ARGS`` as a user runs it (the console script pip installed next to python)."""
+    full_env = {**os.environ, **(env or {})}
+    return subprocess.run([str(SCRIPT), *args], capture_output=True, text=True, env=full_env,
+                          cwd=cwd, timeout=600)
+
+
+def one_line_error(stderr: str) -> str:
+    """The single ``corekv: error:`` line, asserting there is nothing else (no traceback)."""
+    lines = stderr.strip().splitlines()
+    assert len(lines) == 1, f"expected one error line, got:\n{stderr}"
+    assert lines[0].startswith("corekv: error: ")
+    return lines[0]
+
+
+def test_the_console_script_is_installed():
+    assert SCRIPT.exists(), f"{SCRIPT} is missing: reinstall with pip install -e ."
+
+
+# -- errors ----------------------------------------------------------------------------------------
+def test_a_config_error_is_one_line_with_exit_code_2(tmp_path):
+    path = tmp_path / "cache.yaml"
+    path.write_text("engine:\n  block_size: 24\n")
+    result = run("config", "--config", str(path))
+    assert result.returncode == 2
+    assert result.stdout == ""
+    assert one_line_error(result.stderr) == (
+        "corekv: error: engine.block_size: got 24; expected a power of two (1, 2, 4, 8, 16, ...) "
+        f"(in {path})")
+
+
+def test_debug_shows_the_traceback(tmp_path):
+    path = tmp_path / "cache.yaml"
+    path.write_text("engine:\n  block_size: 24\n")
+    result = run("--debug", "config", "--config", str(path))
+    assert result.returncode == 1  # an uncaught exception
+    assert "Traceback (most recent call last)" in result.stderr
+    assert "corekv.errors.ConfigError: engine.block_size: got 24" in result.stderr
+
+
+def test_a_misspelled_key_suggests_the_right_one(tmp_path):
+    path = tmp_path / "cache.yaml"
+    path.write_text("cache:\n  tiers:\n    - {type: host, sise: 2GiB}\n")
+    result = run("config", "--config", str(path))
+    assert result.returncode == 2
+    assert one_line_error(result.stderr) == (
+        "corekv: error: cache.tiers[0].sise: unknown key for tier 'host' (value '2GiB'); did you "
+        f"mean 'size'? Valid keys: type, name, size (in {path})")
+
+
+def test_corekv_config_names_the_file_and_env_overrides_apply(tmp_path):
+    path = tmp_path / "cache.yaml"
+    path.write_text("cache:\n  backend: hash_blocks\n")
+    result = run("config", env={"COREKV_CONFIG": str(path), "COREKV_ENGINE__BLOCK_SIZE": "64"})
+    assert result.returncode == 0, result.stderr
+    printed = yaml.safe_load(result.stdout)
+    assert printed["cache"]["backend"] == "hash_blocks"
+    assert printed["engine"]["block_size"] == 64
+    result = run("config", env={"COREKV_ENGINE__BLOCK_SIZE": "48"})
+    assert result.returncode == 2
+    assert one_line_error(result.stderr).endswith("(set by COREKV_ENGINE__BLOCK_SIZE)")
+
+
+def test_a_missing_config_file_is_a_config_error(tmp_path):
+    result = run("config", "--config", str(tmp_path / "nope.yaml"))
+    assert result.returncode == 2
+    assert "not found" in one_line_error(result.stderr)
+
+
+def test_a_broken_plugin_is_a_runtime_error_naming_it(tmp_path):
+    (tmp_path / "corekv_cli_broken_plugin.py").write_text("raise RuntimeError('boom\\nsecond line')\n")
+    path = tmp_path / "cache.yaml"
+    path.write_text("plugins: [corekv_cli_broken_plugin]\n")
+    result = run("plugins", "--config", str(path), env={"PYTHONPATH": str(tmp_path)})
+    assert result.returncode == 1
+    assert one_line_error(result.stderr) == (
+        "corekv: error: plugin 'corekv_cli_broken_plugin' (listed in plugins:) failed to import "
+        "(RuntimeError: boom second line); fix or uninstall the package that provides it")
+
+
+@pytest.mark.parametrize("args, message", [
+    (["generate"], "the following arguments are required: --prompt (see 'corekv generate --help')"),
+    (["generate", "--prompt", "x", "--max-tokens", "0"],
+     "argument --max-tokens: got 0; expected an integer >= 1 (see 'corekv generate --help')"),
+    (["generate", "--prompt", "x", "--temperature", "-1"],
+     "argument --temperature: got -1.0; expected a number >= 0.0 (see 'corekv generate --help')"),
+    (["bench"], "the following arguments are required: BENCHMARK (see 'corekv bench --help')"),
+    (["bench", "hit-rate", "--workloads", "multi_turn,paralel"],
+     "--workloads: got 'paralel'; expected a comma-separated list of shared_system, multi_turn, "
+     "few_shot, parallel; did you mean 'parallel'?"),
+    ([], "the following arguments are required: COMMAND (see 'corekv --help')"),
+    (["bench", "hit-rate", "--capacity", "32"],
+     "--capacity: got 32; expected at least 64 tokens (one block of the largest block size in the table)"),
+])
+def test_usage_errors_are_one_line_with_exit_code_2(capsys, args, message):
+    assert main(args) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert one_line_error(captured.err) == f"corekv: error: {message}"
+
+
+def test_config_errors_through_main_return_2(capsys):
+    os.environ.pop("COREKV_CONFIG", None)
+    assert main(["config", "--config", "/definitely/not/here.yaml"]) == 2
+    assert one_line_error(capsys.readouterr().err).startswith(
+        "corekv: error: config file '/definitely/not/here.yaml' not found")
+
+
+# -- plugins ---------------------------------------------------------------------------------------
+def test_plugins_json_lists_backends_and_tiers_with_their_distribution():
+    result = run("plugins", "--json")
+    assert result.returncode == 0, result.stderr
+    info = json.loads(result.stdout)
+    assert info == corekv.available_plugins()
+    for name in ("hash_blocks", "radix"):
+        assert info["backends"][name]["distribution"] == "corekv"
+    for name in ("host", "lmdb"):
+        assert info["tiers"][name]["distribution"] == "corekv"
+    assert info["plugins"]["pinned"] == {"distribution": "corekv"}
+
+
+def test_plugins_shows_a_third_party_distribution(tmp_path):
+    info_dir = tmp_path / "corekv_cli_thirdparty-1.0.dist-info"
+    info_dir.mkdir()
+    (info_dir / "METADATA").write_text("Metadata-Version: 2.1\nName: corekv-cli-thirdparty\nVersion: 1.0\n")
+    (info_dir / "entry_points.txt").write_text("[corekv]\ncli_thirdparty = corekv_cli_thirdparty\n")
+    (tmp_path / "corekv_cli_thirdparty.py").write_text(textwrap.dedent("""
+        from corekv import hookimpl
+        from corekv.plugin import TierSpec
+
+        @hookimpl
+        def corekv_register_tiers():
+            return [TierSpec("cli_thirdparty_tier", factory=dict, description="from elsewhere")]
+    """))
+    env = {"PYTHONPATH": str(tmp_path), "COREKV_DISABLE_PLUGIN_AUTOLOAD": ""}
+    result = run("plugins", env=env)
+    assert result.returncode == 0, result.stderr
+    row = next(line for line in result.stdout.splitlines() if "cli_thirdparty_tier" in line)
+    assert row.split()[:3] == ["cli_thirdparty_tier", "corekv-cli-thirdparty", "cli_thirdparty"]
+    assert row.rstrip().endswith("from elsewhere")
+    # the autoload switch hides it
+    hidden = run("plugins", env={**env, "COREKV_DISABLE_PLUGIN_AUTOLOAD": "1"})
+    assert "cli_thirdparty_tier" not in hidden.stdout
+
+
+def test_plugins_text_has_a_section_per_kind(capsys):
+    assert main(["plugins"]) == 0
+    out = capsys.readouterr().out
+    sections = re.findall(r"^(\w+):$", out, flags=re.M)
+    assert sections == ["Backends", "Tiers", "Plugins"]
+    assert re.search(r"^  radix\s+corekv\s+radix\s+\S", out, flags=re.M)
+
+
+# -- config ----------------------------------------------------------------------------------------
+def test_config_prints_yaml_that_loads_back_to_the_same_config(tmp_path, capsys):
+    path = tmp_path / "cache.yaml"
+    path.write_text("engine: {num_blocks: 64}\ncache:\n  tiers:\n    - {type: host, size: 1GiB}\n"
+                    "    - {type: lmdb, path: ./kv, size: 1.5GB}\n")
+    assert main(["config", "--config", str(path)]) == 0
+    printed = capsys.readouterr().out
+    assert "size: 1GiB" in printed and "size: 1500MB" in printed
+    assert load_config(yaml.safe_load(printed), env={}) == load_config(path, env={})
+
+
+def test_config_reference_is_the_markdown_reference(capsys):
+    assert main(["config", "--reference"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("| Field | Accepts | Default | Description |")
+    assert "| `engine.block_size` |" in out and "### Tier `lmdb`" in out
+
+
+# -- bench -----------------------------------------------------------------------------------------
+def test_bench_hit_rate_prints_the_table(capsys):
+    assert main(["bench", "hit-rate", "--workloads", "multi_turn,parallel"]) == 0
+    workloads = {n: w for n, w in bench.seed_workloads().items() if n in ("multi_turn", "parallel")}
+    assert capsys.readouterr().out == bench.format_table(bench.hit_rate_table(workloads)) + "\n"
+
+
+def test_bench_hit_rate_json_with_a_capacity(capsys):
+    assert main(["bench", "hit-rate", "--workloads", "multi_turn", "--capacity", "1024", "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    workloads = {"multi_turn": bench.seed_workloads()["multi_turn"]}
+    assert rows == bench.hit_rate_table(workloads, capacity=1024)
+    unbounded = bench.hit_rate_table(workloads)[0]
+    assert rows[0]["radix"] < unbounded["radix"]  # a small pool evicts, which costs hits
+
+
+# -- help ------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("command", [[], ["plugins"], ["config"], ["bench"], ["bench", "hit-rate"],
+                                     ["generate"], ["warm"]])
+def test_every_command_has_help_with_examples(capsys, command):
+    assert main([*command, "--help"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith(f"usage: corekv {' '.join(command)}".rstrip())
+    examples = out.split("examples:\n", 1)[1].splitlines()
+    assert examples and all(line.startswith("  corekv ") or "corekv " in line for line in examples if line)
+
+
+def test_help_runs_from_the_console_script():
+    result = run("generate", "--help")
+    assert result.returncode == 0
+    assert "--max-tokens N" in result.stdout and "examples:" in result.stdout
+
+
+# -- generate and warm on the real model -----------------------------------------------------------
+@pytest.mark.slow
+def test_generate_and_warm_print_what_the_engine_returns(tmp_path):
+    """Loads SmolLM2 three times (this process and two CLI runs), so it is marked slow."""
+    prompt = "What is the capital of France?"
+    system = "You are a helpful assistant. Answer in one short sentence, without any preamble."
+    cfg = load_config({"device": "cpu"}, env={})
+    with corekv.Engine.from_config(cfg) as engine:
+        expected = engine.generate([[{"role": "user", "content": prompt}]],
+                                   corekv.SamplingParams(max_tokens=8, temperature=0.0))[0].text
+    with corekv.Engine.from_config(cfg) as engine:
+        expected_warm = engine.warm(system, pin=True)
+    env = {"COREKV_DEVICE": "cpu"}
+    result = run("generate", "--chat", "--prompt", prompt, "--max-tokens", "8", env=env)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout == expected + "\n"
+    result = run("warm", "--prompt", system, "--pin", env=env)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout == f"warmed and pinned {expected_warm} prompt tokens\n"
