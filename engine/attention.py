@@ -59,6 +59,9 @@ class AttentionMetadata:
     decode_block_tables: torch.Tensor | None = None
     decode_mask: torch.Tensor | None = None
     prefills: list[PrefillSlice] = field(default_factory=list)
+    #: attention calls seen this forward; the runner checks it equals the number of layers, so a
+    #: model that bypasses the AttentionInterface fails loudly instead of leaving the pool unwritten
+    num_layer_calls: int = 0
 
 
 def paged_attention_forward(
@@ -77,6 +80,7 @@ def paged_attention_forward(
     if meta is None:
         return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling,
                                       dropout=dropout, **kwargs)
+    meta.num_layer_calls += 1
     k_cache, v_cache = meta.kv_pool.layer_kv(module.layer_idx)
     _, num_heads, num_tokens, head_dim = query.shape
     num_kv_heads = key.shape[1]

@@ -68,6 +68,12 @@ class ModelRunner:
         meta, input_ids, positions, last_index = self._prepare(ordered)
         out = self.model(input_ids=input_ids[None], position_ids=positions[None], use_cache=False,
                          logits_to_keep=last_index, **{METADATA_KWARG: meta})
+        if meta.num_layer_calls != self.loaded.num_layers:
+            raise CoreKVError(
+                f"{type(self.model).__name__} ran corekv's paged attention in {meta.num_layer_calls} of "
+                f"{self.loaded.num_layers} layers; its modeling code bypasses transformers' AttentionInterface, "
+                "so corekv cannot serve it: use a model whose attention dispatches through the interface"
+            )
         logits = out.logits[0].float()
         result = torch.empty_like(logits)
         result[torch.tensor(order, device=logits.device)] = logits

