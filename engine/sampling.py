@@ -172,7 +172,8 @@ class Sampler:
             for row, token_id in zip(greedy_rows, picked):
                 token_ids[row] = token_id
         sampled_rows = [i for i, p in enumerate(params) if p.temperature != 0]
-        picked = self._sample([params[i] for i in sampled_rows], logits[sampled_rows],
+        sampled_logits = logits if len(sampled_rows) == len(params) else logits[sampled_rows]
+        picked = self._sample([params[i] for i in sampled_rows], sampled_logits,
                               [generators[i] for i in sampled_rows])
         for row, token_id in zip(sampled_rows, picked):
             token_ids[row] = token_id
@@ -180,59 +181,153 @@ class Sampler:
 
     def _sample(self, params: list[SamplingParams], logits: torch.Tensor,
                 generators: list[torch.Generator | None]) -> list[int]:
+        uniforms = _draw_uniforms(generators).to(logits.device)
+        rows = _Rows(logits, params, uniforms)
+        token_ids = [0] * len(params)
+        # NOTE: rows that truncate (top-k, top-p) only need their best few tokens: a top-k pass over
+        # the vocabulary instead of a full sort. Each row's candidate count depends only on its own
+        # parameters, so its result does not depend on what else shares the batch.
+        num_candidates = [_num_candidates(p, logits.shape[1]) for p in params]
+        full = [i for i, k in enumerate(num_candidates) if k is None]
+        if full:
+            for row, token_id in zip(full, _sample_full(rows.take(full))):
+                token_ids[row] = token_id
+        truncated = [i for i, k in enumerate(num_candidates) if k is not None]
+        while truncated:
+            picked, uncovered = _sample_truncated(rows.take(truncated),
+                                                  [num_candidates[i] for i in truncated])
+            for row, token_id in zip(truncated, picked):
+                token_ids[row] = token_id
+            # NOTE: a flat distribution whose nucleus is wider than the candidates is redone with
+            # more of them (rare for trained models; the last step is the whole vocabulary).
+            truncated = [truncated[j] for j in uncovered]
+            for row in truncated:
+                num_candidates[row] = min(num_candidates[row] * _CANDIDATE_GROWTH, logits.shape[1])
+        return token_ids
+
+
+_NUM_NUCLEUS_CANDIDATES = 64
+_CANDIDATE_GROWTH = 8
+_BLOCK = 256  # tokens per block of the two-level inverse CDF
+
+
+class _Rows:
+    """Sampled rows with their per-row parameters as ``[rows, 1]`` tensors."""
+
+    def __init__(self, logits: torch.Tensor, params: list[SamplingParams], uniforms: torch.Tensor,
+                 maxes: torch.Tensor | None = None) -> None:
         device = logits.device
-        x = logits.float()
-        # NOTE: shifting by the row max before dividing keeps tiny temperatures from overflowing
-        # to +inf (and NaN in softmax); the max becomes 0 and everything else goes towards -inf.
-        x = x - x.max(dim=-1, keepdim=True).values
-        x = x / torch.tensor([p.temperature for p in params], device=device).unsqueeze(1)
-        top_ks = [p.top_k for p in params]
-        if any(top_ks):
-            x = _apply_top_k(x, torch.tensor(top_ks, device=device))
-        if any(p.top_p < 1 for p in params):
-            x = _apply_top_p(x, torch.tensor([p.top_p for p in params], device=device))
-        if any(p.min_p > 0 for p in params):
-            x = _apply_min_p(x, torch.tensor([p.min_p for p in params], device=device))
-        cdf = torch.softmax(x, dim=-1).double().cumsum(dim=-1)
-        total = cdf[:, -1:]
-        uniforms = _draw_uniforms(generators).to(device).unsqueeze(1)
-        # NOTE: capping just below the total guarantees searchsorted lands on a token with positive
-        # probability (the first index whose CDF exceeds u), never past the end of the vocabulary.
-        u = torch.minimum(uniforms * total, torch.nextafter(total, torch.zeros_like(total)))
-        return torch.searchsorted(cdf, u, right=True).squeeze(1).tolist()
+        self.logits, self.params, self.uniforms = logits, params, uniforms
+        self.maxes = logits.amax(dim=-1, keepdim=True).float() if maxes is None else maxes
+        self.temperatures = torch.tensor([p.temperature for p in params], device=device).unsqueeze(1)
+        self.min_ps = [p.min_p for p in params]
+        self.top_ps = [p.top_p for p in params]
+
+    def take(self, rows: list[int]) -> _Rows:
+        if len(rows) == len(self.params):  # all of them, in order: no copy
+            return self
+        return _Rows(self.logits[rows], [self.params[i] for i in rows], self.uniforms[rows],
+                     self.maxes[rows])
+
+    def log_weights(self, values: torch.Tensor) -> torch.Tensor:
+        """(logit - row max) / temperature: 0 for the best token, so its weight exp() is 1.
+
+        NOTE: shifting before dividing keeps tiny temperatures from overflowing to +inf.
+        """
+        return (values.float() - self.maxes).div_(self.temperatures)
 
 
-def _apply_top_k(x: torch.Tensor, top_ks: torch.Tensor) -> torch.Tensor:
-    """Mask everything below each row's k-th largest value (k = 0 keeps the row as it is)."""
-    max_k = min(int(top_ks.max()), x.shape[-1])
-    kth = torch.topk(x, max_k, dim=-1).values
-    k_index = (top_ks.clamp(1, max_k) - 1).unsqueeze(1)
-    threshold = kth.gather(1, k_index)
-    threshold = torch.where(top_ks.unsqueeze(1) > 0, threshold, torch.full_like(threshold, -math.inf))
-    return x.masked_fill(x < threshold, -math.inf)
+def _num_candidates(params: SamplingParams, vocab_size: int) -> int | None:
+    """How many best tokens a row starts from; None when it needs the whole vocabulary."""
+    if params.top_k > 0:
+        return min(params.top_k, vocab_size)
+    if params.top_p < 1:
+        return min(_NUM_NUCLEUS_CANDIDATES, vocab_size)
+    return None
 
 
-def _apply_top_p(x: torch.Tensor, top_ps: torch.Tensor) -> torch.Tensor:
-    """Keep the smallest set of most likely tokens whose mass reaches top_p (at least one token)."""
-    sorted_x, order = torch.sort(x, dim=-1, descending=True, stable=True)
-    sorted_probs = torch.softmax(sorted_x, dim=-1)
-    mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
-    # NOTE: the most likely token has mass_before == 0 < top_p, so every row keeps a token.
-    drop_sorted = mass_before >= top_ps.unsqueeze(1)
-    drop = torch.zeros_like(drop_sorted).scatter(1, order, drop_sorted)
-    return x.masked_fill(drop, -math.inf)
+def _sample_full(rows: _Rows) -> list[int]:
+    """Sample from all tokens (temperature and min-p only) by a two-level inverse CDF."""
+    weights = rows.log_weights(rows.logits).exp_()
+    if len(set(rows.min_ps)) == 1 and rows.min_ps[0] > 0:
+        # NOTE: one shared min-p (the usual case) is one in-place threshold pass; a boolean mask
+        # and a multiply cost several times more on CPU. threshold keeps w > t, so t is the float
+        # just below min_p to keep w >= min_p.
+        below = torch.nextafter(torch.tensor(rows.min_ps[0]), torch.tensor(0.0)).item()
+        torch.nn.functional.threshold(weights, below, 0.0, inplace=True)
+    elif any(rows.min_ps):
+        weights.mul_(weights >= torch.tensor(rows.min_ps, device=weights.device).unsqueeze(1))
+    # NOTE: a full-vocabulary cumsum costs as much as the rest of the step; summing blocks, picking
+    # a block, then scanning only its tokens gives the same distribution for a fraction of the work.
+    num_rows, vocab_size = weights.shape
+    num_blocks = -(-vocab_size // _BLOCK)
+    if vocab_size % _BLOCK:
+        weights = torch.nn.functional.pad(weights, (0, num_blocks * _BLOCK - vocab_size))
+    blocks = weights.view(num_rows, num_blocks, _BLOCK)
+    block_cdf = blocks.sum(dim=-1).double().cumsum(dim=-1)
+    target = _scaled_below_total(rows.uniforms, block_cdf[:, -1])
+    block = torch.searchsorted(block_cdf, target.unsqueeze(1), right=True).squeeze(1)
+    block = block.clamp(max=num_blocks - 1)
+    cdf_before = block_cdf.gather(1, (block - 1).clamp(min=0).unsqueeze(1)).squeeze(1)
+    cdf_before = torch.where(block > 0, cdf_before, torch.zeros_like(cdf_before))
+    inner_cdf = blocks[torch.arange(num_rows, device=weights.device), block].double().cumsum(dim=-1)
+    # NOTE: the block's own scan and its sum may differ in the last bit: stay inside the block.
+    offset = torch.minimum(target - cdf_before,
+                           torch.nextafter(inner_cdf[:, -1], torch.zeros_like(target)))
+    inner = torch.searchsorted(inner_cdf, offset.clamp(min=0).unsqueeze(1), right=True).squeeze(1)
+    return (block * _BLOCK + inner.clamp(max=_BLOCK - 1)).tolist()
 
 
-def _apply_min_p(x: torch.Tensor, min_ps: torch.Tensor) -> torch.Tensor:
-    """Mask tokens whose probability is below min_p times the row's highest probability."""
-    probs = torch.softmax(x, dim=-1)
-    threshold = probs.max(dim=-1, keepdim=True).values * min_ps.unsqueeze(1)
-    return x.masked_fill(probs < threshold, -math.inf)
+def _sample_truncated(rows: _Rows, num_candidates: list[int]) -> tuple[list[int], list[int]]:
+    """Sample among each row's best tokens after top-k, then top-p, then min-p.
+
+    Returns the token ids and the indexes of rows whose nucleus may reach past their candidates
+    (their token is not valid; the caller retries them with more candidates).
+    """
+    device = rows.logits.device
+    num_kept = torch.tensor(num_candidates, device=device)
+    # NOTE: temperature is monotonic, so the best logits are the best scaled logits.
+    values, token_order = torch.topk(rows.logits, max(num_candidates), dim=-1)  # best first
+    columns = torch.arange(values.shape[1], device=device).unsqueeze(0)
+    weights = rows.log_weights(values).exp_().masked_fill_(columns >= num_kept.unsqueeze(1), 0)
+    cdf = weights.double().cumsum(dim=-1)
+    uncovered = torch.zeros(len(num_candidates), dtype=torch.bool, device=device)
+    if any(top_p < 1 for top_p in rows.top_ps):
+        top_p = torch.tensor(rows.top_ps, dtype=torch.float64, device=device)
+        is_nucleus_only = torch.tensor([p.top_k == 0 for p in rows.params], device=device)
+        total = cdf[:, -1]
+        if bool(is_nucleus_only.any()):
+            # NOTE: top-k rows renormalise over their k tokens; top-p-only rows over the whole
+            # vocabulary, which reaches past the candidates.
+            vocab_total = rows.log_weights(rows.logits).exp_().sum(dim=-1).double()
+            total = torch.where(is_nucleus_only, vocab_total, total)
+            is_short = (cdf[:, -1] / total < top_p) & (num_kept < rows.logits.shape[1])
+            uncovered = is_nucleus_only & is_short
+        mass_before = (cdf - weights) / total.unsqueeze(1)
+        num_in_nucleus = (mass_before < top_p.unsqueeze(1)).sum(dim=-1)  # the best is always in
+        num_kept = torch.minimum(num_kept, num_in_nucleus)
+    if any(rows.min_ps):
+        min_p = torch.tensor(rows.min_ps, device=device).unsqueeze(1)
+        num_kept = torch.minimum(num_kept, (weights >= min_p).sum(dim=-1))
+    # NOTE: every filter keeps a prefix of the best-first order, so the kept mass is a CDF value.
+    kept_total = cdf.gather(1, (num_kept - 1).unsqueeze(1)).squeeze(1)
+    target = _scaled_below_total(rows.uniforms, kept_total)
+    position = torch.searchsorted(cdf, target.unsqueeze(1), right=True).squeeze(1)
+    position = torch.minimum(position, num_kept - 1)
+    picked = token_order.gather(1, position.unsqueeze(1)).squeeze(1).tolist()
+    return picked, uncovered.nonzero().squeeze(1).tolist()
+
+
+def _scaled_below_total(uniforms: torch.Tensor, total: torch.Tensor) -> torch.Tensor:
+    """u * total, capped just below total, so a right-searchsorted lands on a positive weight."""
+    return torch.minimum(uniforms * total, torch.nextafter(total, torch.zeros_like(total)))
 
 
 def _draw_uniforms(generators: list[torch.Generator | None]) -> torch.Tensor:
     """One float64 uniform in [0, 1) per row, each from the row's generator or the global RNG."""
     values = []
+    # NOTE: one number per row, drawn where the row's generator lives (normally the CPU): the same
+    # seed gives the same tokens on any device and next to any other rows.
     for generator in generators:
         if generator is None:
             values.append(torch.rand(1, dtype=torch.float64))

@@ -192,6 +192,60 @@ def test_temperature_sampling_follows_softmax_of_scaled_logits(temperature):
     assert ((freqs - expected.double()).abs() <= 5 * sigma + 1e-4).all(), (freqs, expected)
 
 
+def reference_probs(logits, params):
+    """A plain full-sort reference of temperature, top-k, top-p, min-p (in that order)."""
+    probs = torch.softmax(logits.double() / params.temperature, dim=-1)
+    order = torch.argsort(probs, descending=True)
+    sorted_probs = probs[order]
+    keep = torch.ones_like(sorted_probs, dtype=torch.bool)
+    if params.top_k:
+        keep[params.top_k:] = False
+    kept = sorted_probs * keep
+    kept = kept / kept.sum()
+    if params.top_p < 1:
+        keep &= (kept.cumsum(0) - kept) < params.top_p
+        kept = sorted_probs * keep
+        kept = kept / kept.sum()
+    keep &= kept >= params.min_p * kept[0]
+    result = torch.zeros_like(probs)
+    result[order[keep]] = sorted_probs[keep]
+    return result / result.sum()
+
+
+@pytest.mark.parametrize("params", [
+    SamplingParams(temperature=1.0),
+    SamplingParams(temperature=0.5, min_p=0.1),
+    SamplingParams(temperature=2.0, top_k=20),
+    SamplingParams(temperature=1.0, top_p=0.9),  # nucleus of hundreds of tokens: wider candidates
+    SamplingParams(temperature=0.8, top_k=300, top_p=0.8, min_p=0.05),
+], ids=["temperature", "min_p", "top_k", "wide_top_p", "all_filters"])
+def test_sampling_matches_a_full_sort_reference_over_a_thousand_tokens(params):
+    # 1000 tokens: not a multiple of any block size, mass spread over the whole vocabulary.
+    logits = torch.randn(1000, generator=torch.Generator().manual_seed(3)) * 1.5
+    expected = reference_probs(logits, params)
+    generator = torch.Generator().manual_seed(11)
+    num_samples, batch = 30000, 3000
+    seen = torch.zeros(1000, dtype=torch.long)
+    for _ in range(num_samples // batch):
+        picked = Sampler()(logits.expand(batch, -1).contiguous(), [params] * batch, [generator] * batch)
+        seen += counts(picked, 1000)
+    assert (seen[expected == 0] == 0).all(), "sampled a token the filters remove"
+    freqs = seen.double() / num_samples
+    sigma = (expected * (1 - expected) / num_samples).sqrt()
+    assert ((freqs - expected).abs() <= 5 * sigma + 2e-4).all()
+    if params.top_p < 1 and params.top_k == 0:
+        assert int((expected > 0).sum()) > 200, "the nucleus must be wider than the first candidates"
+
+
+def test_rows_with_different_min_p_in_one_batch_each_get_their_own_filter():
+    logits = KNOWN_LOGITS.expand(4000, -1).contiguous()
+    params = [SamplingParams(min_p=0.2), SamplingParams(min_p=0.5)] * 2000
+    picked = torch.tensor(Sampler()(logits, params, [torch.Generator().manual_seed(0)] * 4000))
+    loose, strict = counts(picked[0::2].tolist(), 4), counts(picked[1::2].tolist(), 4)
+    assert loose[3] == 0 and (loose[:3] > 0).all()  # threshold 0.1 keeps 0.5, 0.3, 0.15
+    assert (strict[2:] == 0).all() and (strict[:2] > 0).all()  # threshold 0.25 keeps 0.5, 0.3
+
+
 # ---------------------------------------------------------------- reproducibility
 
 def test_same_seed_same_tokens_and_different_seeds_differ():
