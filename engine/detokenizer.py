@@ -3,9 +3,9 @@
 Decoding the whole sequence after every token costs O(length) per token. Instead the detokenizer
 decodes a small window: the tokens from ``prefix_offset`` (a little context already emitted) to the
 end, and emits what that window's text has beyond the text of its context part. Byte-level BPE
-tokenizers split one character across tokens (an emoji is often four byte tokens); while the window's
-text ends with the replacement character "\\ufffd" the character is incomplete, so the text is held
-back until a later token completes it.
+tokenizers split one character across tokens (an emoji is often three or four byte tokens); while
+the window's text ends with the replacement character "\ufffd" its last character is incomplete:
+the characters before it are streamed, and the tokens stay pending until a later token completes it.
 """
 from __future__ import annotations
 

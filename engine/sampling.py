@@ -1,11 +1,17 @@
 """Per-request sampling parameters and the batched sampler that turns logits into next tokens.
 
-A batch mixes greedy and sampled rows. Greedy rows are an exact ``argmax`` of the float32 logits (the
-same rule as transformers' greedy ``generate``). Sampled rows go through temperature, top-k, top-p
-and min-p filtering, vectorised over the rows, and then draw one token by inverse-CDF sampling with a
-single uniform number taken from the row's own ``torch.Generator``. Because each row consumes exactly
-one number from its own generator, a seeded request yields the same tokens whatever else shares the
-batch, and on any device (the uniform is drawn where the generator lives, normally the CPU).
+A batch mixes greedy and sampled rows. Greedy rows are an exact ``argmax`` of the logits (the rule
+of transformers' greedy ``generate``); a batch of greedy rows costs one argmax. Sampled rows go
+through temperature, top-k, top-p and min-p, vectorised over the rows, and draw one token by
+inverse-CDF sampling with a single uniform number from the row's own ``torch.Generator``:
+
+* rows with top-k or top-p work on their best few tokens only (one ``topk`` pass, no full sort);
+  a top-p row whose nucleus turns out wider than its candidates is redone with more of them;
+* rows without (temperature and min-p only) sample the whole vocabulary by a two-level inverse CDF
+  (pick a block of tokens by the block sums, then a token inside it).
+
+Each row consumes exactly one number from its own generator and its candidate count depends only on
+its own parameters, so a seeded request yields the same tokens whatever else shares the batch.
 """
 from __future__ import annotations
 
@@ -23,6 +29,11 @@ from corekv.errors import CoreKVError
 __all__ = ["Sampler", "SamplingParams", "SamplingParamsError", "make_generator"]
 
 _MAX_SEED = 2**63 - 1
+# NOTE: a top-p nucleus of a trained model is rarely more than a few dozen tokens; a wider one costs
+# one more topk pass per growth step, the last one over the whole vocabulary.
+_NUM_NUCLEUS_CANDIDATES = 64
+_CANDIDATE_GROWTH = 8
+_BLOCK = 256  # tokens per block of the two-level inverse CDF
 
 
 class SamplingParamsError(CoreKVError, ValueError):
@@ -150,8 +161,10 @@ def make_generator(params: SamplingParams, index: int = 0) -> torch.Generator | 
 class Sampler:
     """Picks one next token per row of a ``[B, V]`` logits tensor.
 
-    Stateless: all randomness comes from the per-row generators (or the global RNG for rows whose
-    generator is None), one uniform number per sampled row per call, drawn in row order.
+    Invariants: a greedy row's token is ``torch.argmax`` of its logits whatever the other rows are;
+    a sampled row's token has positive probability under its filtered distribution. Stateless: all
+    randomness comes from the per-row generators (or the global RNG for rows whose generator is
+    None), one uniform number per sampled row per call, drawn in row order.
     """
 
     def __call__(self, logits: torch.Tensor, params: Sequence[SamplingParams],
@@ -204,11 +217,6 @@ class Sampler:
             for row in truncated:
                 num_candidates[row] = min(num_candidates[row] * _CANDIDATE_GROWTH, logits.shape[1])
         return token_ids
-
-
-_NUM_NUCLEUS_CANDIDATES = 64
-_CANDIDATE_GROWTH = 8
-_BLOCK = 256  # tokens per block of the two-level inverse CDF
 
 
 class _Rows:
