@@ -224,7 +224,7 @@ def test_sampling_matches_a_full_sort_reference_over_a_thousand_tokens(params):
     logits = torch.randn(1000, generator=torch.Generator().manual_seed(3)) * 1.5
     expected = reference_probs(logits, params)
     generator = torch.Generator().manual_seed(11)
-    num_samples, batch = 30000, 3000
+    num_samples, batch = 20000, 4000
     seen = torch.zeros(1000, dtype=torch.long)
     for _ in range(num_samples // batch):
         picked = Sampler()(logits.expand(batch, -1).contiguous(), [params] * batch, [generator] * batch)
@@ -258,25 +258,42 @@ def test_same_seed_same_tokens_and_different_seeds_differ():
     assert run(11) != run(12)
 
 
-def test_a_seeded_request_draws_the_same_tokens_whatever_shares_its_batch():
+@pytest.mark.parametrize("target", [
+    SamplingParams(temperature=0.9, top_k=200, top_p=0.95, min_p=0.01, seed=99),
+    SamplingParams(temperature=0.7, seed=99),
+    SamplingParams(temperature=1.2, min_p=0.05, seed=99),
+    SamplingParams(temperature=1.0, top_p=0.9, seed=99),  # nucleus wider than the first candidates
+], ids=["all_filters", "temperature", "min_p", "wide_top_p"])
+def test_a_seeded_request_draws_the_same_tokens_whatever_shares_its_batch(target):
     torch.manual_seed(0)
     vocab_size = 2000
-    target = SamplingParams(temperature=0.9, top_k=200, top_p=0.95, min_p=0.01, seed=99)
-    steps = [torch.randn(vocab_size) for _ in range(10)]
+    steps = [torch.randn(vocab_size) * 2 for _ in range(10)]
 
     alone_generator = make_generator(target)
     alone = [Sampler()(row.unsqueeze(0), [target], [alone_generator])[0] for row in steps]
 
     neighbours = [SamplingParams(temperature=0), SamplingParams(seed=5, top_p=0.5),
-                  SamplingParams(temperature=1.5), SamplingParams(seed=6, top_k=3, min_p=0.2)]
-    batch = [neighbours[0], neighbours[1], target, neighbours[2], neighbours[3]]
-    generators = [make_generator(p) for p in batch]
-    together = []
-    for row in steps:
-        logits = torch.stack([torch.randn(vocab_size), torch.randn(vocab_size), row,
-                              torch.randn(vocab_size), torch.randn(vocab_size)])
-        together.append(Sampler()(logits, batch, generators)[2])
-    assert together == alone
+                  SamplingParams(temperature=1.5, min_p=0.3), SamplingParams(seed=6, top_k=1000),
+                  SamplingParams(temperature=0.5)]
+    for position in (0, 2, 5):
+        batch = neighbours[:position] + [target] + neighbours[position:]
+        generators = [make_generator(p) for p in batch]
+        together = []
+        for row in steps:
+            logits = torch.stack([torch.randn(vocab_size) for _ in neighbours])
+            logits = torch.cat([logits[:position], row.unsqueeze(0), logits[position:]])
+            together.append(Sampler()(logits, batch, generators)[position])
+        assert together == alone, position
+
+
+def test_unseeded_rows_draw_from_the_global_rng_in_row_order():
+    logits = torch.zeros(3, 500)
+    params = [SamplingParams()] * 3
+    torch.manual_seed(21)
+    first = Sampler()(logits, params, [None] * 3)
+    torch.manual_seed(21)
+    assert Sampler()(logits, params, [None] * 3) == first
+    assert Sampler()(logits, params, [None] * 3) != first  # the RNG moved on
 
 
 # ---------------------------------------------------------------- argument checks
