@@ -228,15 +228,15 @@ def test_help_runs_from_the_console_script():
 # -- generate and warm on the real model -----------------------------------------------------------
 @pytest.mark.slow
 def test_generate_and_warm_print_what_the_engine_returns(tmp_path):
-    """Loads SmolLM2 three times (this process and two CLI runs), so it is marked slow."""
+    """Loads SmolLM2 three times (the reference here and two CLI runs), so it is marked slow."""
     prompt = "What is the capital of France?"
     system = "You are a helpful assistant. Answer in one short sentence, without any preamble."
     cfg = load_config({"device": "cpu"}, env={})
     with corekv.Engine.from_config(cfg) as engine:
         expected = engine.generate([[{"role": "user", "content": prompt}]],
                                    corekv.SamplingParams(max_tokens=8, temperature=0.0))[0].text
-    with corekv.Engine.from_config(cfg) as engine:
         expected_warm = engine.warm(system, pin=True)
+    assert expected and expected_warm > 0
     env = {"COREKV_DEVICE": "cpu"}
     result = run("generate", "--chat", "--prompt", prompt, "--max-tokens", "8", env=env)
     assert result.returncode == 0, result.stderr
