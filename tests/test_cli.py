@@ -244,3 +244,13 @@ def test_generate_and_warm_print_what_the_engine_returns(tmp_path):
     result = run("warm", "--prompt", system, "--pin", env=env)
     assert result.returncode == 0, result.stderr
     assert result.stdout == f"warmed and pinned {expected_warm} prompt tokens\n"
+
+
+def test_config_may_be_given_before_or_after_the_command(tmp_path, capsys):
+    bad, good = tmp_path / "bad.yaml", tmp_path / "good.yaml"
+    bad.write_text("engine: {block_size: 24}\n")
+    good.write_text("engine: {block_size: 32}\n")
+    assert main(["--config", str(good), "config"]) == 0
+    assert yaml.safe_load(capsys.readouterr().out)["engine"]["block_size"] == 32
+    assert main(["--config", str(bad), "config", "--config", str(good)]) == 0  # the later one wins
+    assert yaml.safe_load(capsys.readouterr().out)["engine"]["block_size"] == 32

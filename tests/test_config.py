@@ -503,3 +503,29 @@ def test_builtin_backends_are_accepted_with_their_options(backend):
 def test_builtin_tier_typo_suggests_the_real_name():
     with pytest.raises(corekv.ConfigError, match=r"^cache.tiers\[0\].type: got 'lmbd'; .*did you mean 'lmdb'\?$"):
         load_config({"cache": {"tiers": [{"type": "lmbd", "path": "kv"}]}}, env={})
+
+
+# -- properties ------------------------------------------------------------------------------------
+engine_fields = st.fixed_dictionaries({}, optional={
+    "block_size": st.sampled_from([2**k for k in range(11)]),
+    "kv_cache_memory": st.integers(1, 2**42).map(lambda n: format_size(n)),
+    "num_blocks": st.none() | st.integers(1, 10**7),
+    "max_num_seqs": st.integers(1, 4096),
+    "scheduling": st.sampled_from(["lpm", "fcfs"]),
+    "preemption": st.sampled_from(["recompute", "swap"]),
+    "enable_prefix_caching": st.booleans(),
+})
+
+
+@given(engine=engine_fields, fraction=st.floats(0, 1), device=st.sampled_from(["auto", "cpu", "cuda", "cuda:3"]))
+def test_valid_configs_round_trip_through_dump(pm, engine, fraction, device):
+    cfg = load({"engine": engine, "device": device, "cache": {**TOY, "max_pinned_fraction": fraction}}, pm)
+    assert (cfg.engine.num_blocks is None) != (cfg.engine.kv_cache_memory is None)
+    assert load(yaml.safe_load(yaml.safe_dump(dump_config(cfg))), pm) == cfg
+
+
+@given(st.integers().filter(lambda n: n < 1 or n & (n - 1)))
+def test_every_block_size_that_is_not_a_power_of_two_is_rejected(pm, block_size):
+    error = error_of({"engine": {"block_size": block_size}, "cache": TOY}, pm)
+    assert error.path == "engine.block_size"
+    assert str(error) == f"engine.block_size: got {block_size}; expected a power of two (1, 2, 4, 8, 16, ...)"
