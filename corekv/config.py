@@ -201,7 +201,11 @@ def config_reference(plugin_manager: Any = None) -> str:
     """The configuration reference as a markdown table generated from the dataclasses (and, given a
     plugin manager, one table per registered backend and tier with its declared options)."""
     rows = ["| Field | Accepts | Default | Description |", "|---|---|---|---|"]
-    _reference_rows(Config, "", rows)
+    names = {}
+    if plugin_manager is not None:
+        names = {(CacheConfig, "backend"): sorted(plugin_manager.backends()),
+                 (TierConfig, "type"): sorted(plugin_manager.tiers())}
+    _reference_rows(Config, "", rows, names)
     text = "\n".join(rows) + "\n"
     if plugin_manager is not None:
         for what, specs in (("Backend", plugin_manager.backends()), ("Tier", plugin_manager.tiers())):
@@ -218,17 +222,17 @@ def config_reference(plugin_manager: Any = None) -> str:
     return text
 
 
-def _reference_rows(cls: type, prefix: str, rows: list[str]) -> None:
+def _reference_rows(cls: type, prefix: str, rows: list[str], plugin_names: dict) -> None:
     from corekv.config_reader import field_check, field_types
 
     for f in fields(cls):
         path, (item_type, is_list, _) = prefix + f.name, field_types(cls)[f.name]
         if is_dataclass(item_type):
             if not is_list:
-                _reference_rows(item_type, path + ".", rows)
+                _reference_rows(item_type, path + ".", rows, plugin_names)
                 continue
             rows.append(_row(f"`{path}`", "a list of mappings", "[]", f.metadata["help"]))
-            _reference_rows(item_type, path + "[].", rows)
+            _reference_rows(item_type, path + "[].", rows, plugin_names)
             continue
         if f.name == "options":
             path, accepts, default = prefix + "<option>", "declared by the tier type", "see below"
@@ -238,6 +242,8 @@ def _reference_rows(cls: type, prefix: str, rows: list[str]) -> None:
             check = field_check(cls, f)
             accepts = ("a list; each item " if is_list else "") + check.expected()
             default = _default_text(f.default, check.kind) if f.default is not MISSING else "required"
+        if (cls, f.name) in plugin_names:
+            accepts = "a registered name: " + (", ".join(plugin_names[cls, f.name]) or "(none)")
         if f.name == "name" and cls is TierConfig:
             default = "the type"
         rows.append(_row(f"`{path}`", accepts, default, f.metadata["help"]))

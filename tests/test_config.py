@@ -529,3 +529,10 @@ def test_every_block_size_that_is_not_a_power_of_two_is_rejected(pm, block_size)
     error = error_of({"engine": {"block_size": block_size}, "cache": TOY}, pm)
     assert error.path == "engine.block_size"
     assert str(error) == f"engine.block_size: got {block_size}; expected a power of two (1, 2, 4, 8, 16, ...)"
+
+
+def test_reference_names_the_registered_backends_and_tier_types(pm):
+    text = config_reference(pm)
+    assert f"| `cache.backend` | a registered name: {', '.join(sorted(pm.backends()))} | radix |" in text
+    assert f"| `cache.tiers[].type` | a registered name: {', '.join(sorted(pm.tiers()))} | required |" in text
+    assert "| `cache.backend` | a non-empty string | radix |" in config_reference()
