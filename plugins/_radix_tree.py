@@ -39,6 +39,7 @@ class RadixTreeOps:
         n = len(ids)
         state = self._state
         segments: list[tuple[Node | None, int]] = []
+        seen: set[Node] = set()
         i = 0
         while i < n:
             b = ids[i]
@@ -51,6 +52,9 @@ class RadixTreeOps:
                 segments.append((None, b))
                 i += 1
                 continue
+            if x in seen:
+                raise ValueError(f"block {b} is listed in {name} more than once; pass each block "
+                                 "once per call (call again to take or drop another reference)")
             node, value = x, x.value
             offset = 0 if value[0] == b else value.index(b)
             run = min(len(value) - offset, n - i)
@@ -70,6 +74,7 @@ class RadixTreeOps:
             if run < len(node.value):
                 node = self._split(node, run)[0]
             segments.append((node, b))
+            seen.add(node)
             i += run
         return segments
 

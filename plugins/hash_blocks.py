@@ -145,9 +145,13 @@ class HashBlockBackend(PrefixCacheBackend):
             b = next(b for b in block_ids if ref[b] == 0)
             raise ValueError(f"block {b} in block_ids is not in use (reference count 0); free each "
                              "block once per allocate()/acquire()")
-        for b in reversed(block_ids):
+        released = block_ids[::-1]   # tail first
+        for k, b in enumerate(released):
             r = ref[b] - 1
-            assert r >= 0, "a block listed twice in one free() call; this indicates a bug in the caller"
+            if r < 0:   # listed more often than it is referenced
+                self._undo_free(released[:k])
+                raise ValueError(f"block {b} is listed in block_ids more often than it is "
+                                 "referenced; free each block once per allocate()/acquire()")
             ref[b] = r
             if r == 0:
                 if block_hash[b] is None:
@@ -224,6 +228,15 @@ class HashBlockBackend(PrefixCacheBackend):
         self.num_evicted_blocks += len(evicted)
         if self.record_events:
             self._events.append(BlockEvent("removed", tuple(e.block_hash for e in evicted)))
+
+    def _undo_free(self, released: Sequence[int]) -> None:
+        for b in reversed(released):
+            if self._ref[b] == 0:
+                if self._block_hash[b] is None:
+                    self._empty.remove(b)
+                else:
+                    del self._lru[b]
+            self._ref[b] += 1
 
     def _check_ids(self, name: str, block_ids: Sequence[int]) -> None:
         if block_ids and (min(block_ids) < 0 or max(block_ids) >= self.num_blocks):

@@ -8,6 +8,7 @@ Structural operations (splitting, lock refs, eviction) live in :mod:`corekv.plug
 """
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Sequence
 
 from corekv.backend import BlockEvent, EvictCallback, PrefixCacheBackend
@@ -174,6 +175,11 @@ class RadixBackend(RadixTreeOps, PrefixCacheBackend):
             if (state[b] if node is None else node.ref) <= 0:
                 raise ValueError(f"block {b} in block_ids is not in use (reference count 0); "
                                  "free each block once per allocate()/acquire()")
+        if len(set(segments)) != len(segments):   # a block listed twice: needs two references
+            for (node, b), times in Counter(segments).items():
+                if (state[b] if node is None else node.ref) < times:
+                    raise ValueError(f"block {b} is listed in block_ids more often than it is "
+                                     "referenced; free each block once per allocate()/acquire()")
         for node, b in reversed(segments):   # tail first
             if node is None:
                 state[b] -= 1

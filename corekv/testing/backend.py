@@ -251,3 +251,11 @@ class BackendTests:
         r.finish()
         b.reset()
         assert b.match(r.key) == [] and b.num_free_blocks == 8
+
+    def test_freeing_a_block_more_often_than_it_is_held_raises_and_changes_nothing(self):
+        b, bs = self.backend(4), self.block_size
+        r = Request(b, tokens(2 * bs))
+        with pytest.raises(ValueError, match=f"block {r.table[-1]} is listed"):
+            b.free(r.table + r.table[-1:])
+        r.finish()
+        assert b.num_free_blocks == 4
