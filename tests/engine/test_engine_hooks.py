@@ -1,0 +1,122 @@
+"""Plugin hooks the engine calls, and the builtin ``pinned`` plugin (warm and pin cache.pinned).
+
+A recorder plugin object observes every event hook; the pinned plugin runs from a real config on
+the tiny Llama (its chat template is ChatML over a byte tokenizer).
+"""
+from __future__ import annotations
+
+import pytest
+
+from corekv.config import CacheConfig, Config, EngineConfig, PinnedPrefix
+from corekv.errors import ConfigError
+from corekv.plugin import hookimpl
+from corekv.engine.llm_engine import Engine
+from corekv.engine.sampling import SamplingParams
+
+GREEDY = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+
+
+class Recorder:
+    """Records every engine event hook call, in order."""
+
+    def __init__(self):
+        self.calls = []
+
+    @hookimpl
+    def corekv_on_engine_started(self, engine):
+        self.calls.append(("started", engine, engine.stats()["kv_num_blocks"]))
+
+    @hookimpl
+    def corekv_on_blocks_stored(self, events):
+        self.calls.append(("stored", events))
+
+    @hookimpl
+    def corekv_on_blocks_removed(self, events):
+        self.calls.append(("removed", events))
+
+    @hookimpl
+    def corekv_on_request_finished(self, output):
+        self.calls.append(("finished", output))
+
+    def hashes(self, kind):
+        return [h for call in self.calls if call[0] == kind for e in call[1] for h in e.block_hashes]
+
+
+def make_engine(loaded, *, num_blocks=64, backend="hash_blocks", pinned=(), max_pinned_fraction=0.5,
+                plugins=()):
+    cfg = Config(model="tiny", engine=EngineConfig(num_blocks=num_blocks, block_size=16),
+                 cache=CacheConfig(backend=backend, pinned=tuple(pinned),
+                                   max_pinned_fraction=max_pinned_fraction))
+    return Engine(cfg, model=loaded, plugins=plugins)
+
+
+def test_engine_started_is_called_once_when_the_engine_is_ready(tiny_llama):
+    recorder = Recorder()
+    with make_engine(tiny_llama, plugins=[recorder]) as engine:
+        assert recorder.calls == [("started", engine, 64)]
+
+
+@pytest.mark.parametrize("backend", ["hash_blocks", "radix"])
+def test_blocks_stored_and_removed_events_carry_the_block_hashes(tiny_llama, backend):
+    recorder = Recorder()
+    with make_engine(tiny_llama, num_blocks=8, backend=backend, plugins=[recorder]) as engine:
+        prompt = list(range(3, 43))  # 40 tokens: 2 full blocks
+        engine.generate(prompt, GREEDY)
+        expected = engine.prefix_key(prompt).block_hashes[:2]
+        assert recorder.hashes("stored")[:2] == expected
+        assert recorder.hashes("removed") == []
+        for i in range(4):  # 4 x 3 blocks through an 8-block pool: the first prompt's blocks go
+            engine.generate([100 + i] * 40, GREEDY)
+        removed = recorder.hashes("removed")
+        assert set(expected) <= set(removed) and set(removed) <= set(recorder.hashes("stored"))
+
+
+def test_request_finished_gets_each_output_once(tiny_llama):
+    recorder = Recorder()
+    with make_engine(tiny_llama, plugins=[recorder]) as engine:
+        outputs = engine.generate(["a", "bb", "ccc"], GREEDY)
+        engine.warm(list(range(3, 40)))  # internal: no request_finished
+    finished = [call[1] for call in recorder.calls if call[0] == "finished"]
+    assert sorted(finished, key=lambda o: o.request_id) == sorted(outputs, key=lambda o: o.request_id)
+
+
+SYSTEM = "You are a helpful assistant."
+
+
+def test_pinned_entries_are_warmed_pinned_and_survive_eviction_pressure(tiny_llama):
+    ids = tuple(range(3, 50))  # 47 tokens: 2 full blocks
+    pinned = [PinnedPrefix(token_ids=ids), PinnedPrefix(text=SYSTEM, chat=True),
+              PinnedPrefix(text="tenant prefix " * 3, salt="tenant-a")]
+    with make_engine(tiny_llama, num_blocks=24, pinned=pinned) as engine:
+        system_ids = engine.encode([{"role": "system", "content": SYSTEM}], add_generation_prompt=False)
+        tenant_ids = engine.encode("tenant prefix " * 3)
+        expected_blocks = len(ids) // 16 + len(system_ids) // 16 + len(tenant_ids) // 16
+        assert engine.stats()["kv_num_pinned_blocks"] == expected_blocks
+        engine.warm(list(range(200, 240)), pin=False)  # cached but not pinned: pressure evicts it
+        for i in range(12):  # pressure: 12 prompts of 3 blocks through the 18 unpinned blocks
+            engine.generate([60 + i] * 40, GREEDY)
+        assert engine.generate(list(range(200, 240)), GREEDY)[0].num_cached_tokens == 0
+        hits = engine.generate([list(ids) + [9, 9],
+                                [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "hi"}],
+                                tenant_ids + [7], tenant_ids + [7]],
+                               GREEDY, cache_salt=[None, None, "tenant-a", None])
+    assert expected_blocks == 6
+    assert [o.num_cached_tokens for o in hits] == [32, 32, 32, 0]
+
+
+def test_unpin_releases_what_warm_pinned(tiny_llama):
+    prompt = list(range(3, 40))
+    with make_engine(tiny_llama) as engine:
+        assert engine.warm(prompt) == 32
+        assert engine.stats()["kv_num_pinned_blocks"] == 2
+        assert engine.unpin(prompt) == 32
+        assert engine.stats()["kv_num_pinned_blocks"] == 0
+        assert engine.warm(prompt, pin=False) == 32  # still cached, just not pinned
+
+
+def test_a_bad_pinned_entry_is_named_in_the_error(tiny_llama):
+    with pytest.raises(ConfigError, match=r"cache\.pinned\[1\].*exactly one of text / token_ids"):
+        make_engine(tiny_llama, pinned=[PinnedPrefix(text="fine"), PinnedPrefix()])
+    with pytest.raises(ConfigError, match=r"cache\.pinned\[0\] \(100 token ids\).*max_pinned_fraction"):
+        make_engine(tiny_llama, pinned=[PinnedPrefix(token_ids=tuple(range(3, 103)))],
+                    max_pinned_fraction=0.05)

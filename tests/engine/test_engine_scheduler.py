@@ -1,0 +1,195 @@
+"""The scheduler and block manager on their own: real backends and a real (tiny) KV pool, no model.
+
+A step is simulated as the engine runs it (schedule, advance, postprocess) with a fixed next token,
+so these tests pin down the decisions alone: budgets, chunking, ordering, preemption, forks.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from corekv.hashing import PrefixKey, chain_seed
+from corekv.plugin import make_plugin_manager
+from corekv.engine.block_manager import BlockManager
+from corekv.engine.kv_pool import KVPool
+from corekv.engine.sampling import SamplingParams
+from corekv.engine.scheduler import LPM_QUEUE_LIMIT, Scheduler
+from corekv.engine.sequence import Sequence, SequenceStatus
+
+BLOCK_SIZE = 4
+NAMESPACE = chain_seed("scheduler-tests", BLOCK_SIZE)
+EOS = 0
+
+
+def make_scheduler(num_blocks=64, backend="hash_blocks", budget=16, max_num_seqs=8, scheduling="fcfs",
+                   chunked=True, caching=True):
+    backend = make_plugin_manager().backends()[backend].factory(num_blocks, BLOCK_SIZE)
+    pool = KVPool(1, num_blocks, BLOCK_SIZE, 1, 2, torch.float32, "cpu")
+    blocks = BlockManager(backend, pool, enable_prefix_caching=caching)
+    return Scheduler(blocks, max_num_seqs=max_num_seqs, max_num_batched_tokens=budget,
+                     scheduling=scheduling, enable_chunked_prefill=chunked, eos_token_ids=[EOS])
+
+
+def make_seq(prompt_ids, request_id="r", max_tokens=8, n=1) -> Sequence:
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, n=n)
+    return Sequence(request_id, prompt_ids, params, PrefixKey(prompt_ids, BLOCK_SIZE, NAMESPACE))
+
+
+def prompt(start, length):
+    return list(range(start, start + length))
+
+
+def step(scheduler, token_id=7):
+    """One engine step without a model: every sampled token is ``token_id``."""
+    batch = scheduler.schedule()
+    seqs, _ = scheduler.advance(batch)
+    finished = scheduler.postprocess(seqs, [token_id] * len(seqs))
+    return batch, finished
+
+
+def test_decodes_go_first_and_prefill_takes_what_is_left_of_the_budget():
+    scheduler = make_scheduler(budget=16)
+    decoders = [make_seq(prompt(100 * i, 5), f"d{i}") for i in range(3)]
+    for seq in decoders:
+        scheduler.add(seq)
+    step(scheduler)  # prefill the three short prompts (15 tokens)
+    long = make_seq(prompt(1000, 40), "long")
+    scheduler.add(long)
+    batch, _ = step(scheduler)
+    assert [(item.seq.request_id, item.num_tokens) for item in batch] == [
+        ("d0", 1), ("d1", 1), ("d2", 1), ("long", 13)]
+    batch, _ = step(scheduler)
+    assert [item.num_tokens for item in batch] == [1, 1, 1, 13]
+    assert batch[-1].start_pos == 13
+
+
+def test_a_long_prompt_is_chunked_across_steps_and_never_exceeds_the_budget():
+    scheduler = make_scheduler(budget=16)
+    seq = make_seq(prompt(0, 45))
+    scheduler.add(seq)
+    sizes = []
+    while seq.num_output_tokens == 0:
+        batch, _ = step(scheduler)
+        assert sum(item.num_tokens for item in batch) <= 16
+        sizes.append(batch[0].num_tokens)
+    assert sizes == [16, 16, 13]
+
+
+def test_without_chunking_a_prompt_waits_for_a_step_with_room_for_all_of_it():
+    scheduler = make_scheduler(budget=16, chunked=False)
+    first, second = make_seq(prompt(0, 10), "a"), make_seq(prompt(100, 10), "b")
+    scheduler.add(first)
+    scheduler.add(second)
+    batch, _ = step(scheduler)
+    assert [(i.seq.request_id, i.num_tokens) for i in batch] == [("a", 10)]
+    batch, _ = step(scheduler)
+    assert [(i.seq.request_id, i.num_tokens) for i in batch] == [("a", 1), ("b", 10)]
+
+
+def test_lpm_admits_the_longest_cached_prefix_first_and_fcfs_keeps_arrival_order():
+    # "hit" needs 2 new tokens, "miss" 12: the whole budget, so under FCFS "hit" waits a step.
+    for scheduling, expected in (("lpm", ["hit", "miss"]), ("fcfs", ["miss"])):
+        scheduler = make_scheduler(budget=12, scheduling=scheduling)
+        warm = make_seq(prompt(500, 12), "warm", max_tokens=1)
+        scheduler.add(warm)
+        while not warm.is_finished:
+            step(scheduler)
+        scheduler.add(make_seq(prompt(900, 12), "miss"))
+        scheduler.add(make_seq(prompt(500, 12) + [1, 2], "hit"))
+        batch, _ = step(scheduler)
+        assert [item.seq.request_id for item in batch] == expected, scheduling
+
+
+def test_lpm_falls_back_to_fcfs_on_a_long_queue():
+    scheduler = make_scheduler(num_blocks=512, budget=8, scheduling="lpm", max_num_seqs=1)
+    cached = make_seq(prompt(500, 8), "warm", max_tokens=1)
+    scheduler.add(cached)
+    while not cached.is_finished:
+        step(scheduler)
+    for i in range(LPM_QUEUE_LIMIT):
+        scheduler.add(make_seq(prompt(10_000 + 20 * i, 8), f"q{i}"))
+    scheduler.add(make_seq(prompt(500, 8) + [1], "hit"))  # queue now longer than the limit
+    batch, _ = step(scheduler)
+    assert [item.seq.request_id for item in batch] == ["q0"]
+
+
+def test_matched_blocks_head_the_table_and_the_last_prompt_token_is_always_computed():
+    scheduler = make_scheduler(budget=64)
+    first = make_seq(prompt(0, 12), "a", max_tokens=1)
+    scheduler.add(first)
+    step(scheduler)
+    again = make_seq(prompt(0, 12), "b", max_tokens=1)  # 3 full blocks, all cached
+    scheduler.add(again)
+    batch, _ = step(scheduler)
+    assert again.num_cached_tokens == 8  # (12 - 1) // 4 blocks: the last token is recomputed
+    assert [(item.start_pos, item.num_tokens) for item in batch] == [(8, 4)]
+
+
+def test_preemption_frees_the_newest_running_sequence_and_requeues_it_first():
+    scheduler = make_scheduler(num_blocks=6, budget=64)
+    a, b = make_seq(prompt(0, 8), "a", max_tokens=12), make_seq(prompt(100, 8), "b", max_tokens=12)
+    scheduler.add(a)
+    scheduler.add(b)
+    step(scheduler)  # both prefilled: 2 blocks each, 2 free
+    for _ in range(8):
+        step(scheduler)
+        if scheduler.num_preemptions:
+            break
+    assert scheduler.num_preemptions == 1
+    assert b.status is SequenceStatus.WAITING and b.block_table == [] and scheduler.waiting[0] is b
+    assert a.status is SequenceStatus.RUNNING
+    while scheduler.has_unfinished:
+        step(scheduler)
+    assert a.num_output_tokens == b.num_output_tokens == 12
+    assert scheduler.blocks.backend.num_free_blocks == 6
+
+
+def test_max_num_seqs_caps_the_running_list():
+    scheduler = make_scheduler(budget=64, max_num_seqs=2)
+    for i in range(4):
+        scheduler.add(make_seq(prompt(100 * i, 4), f"s{i}"))
+    step(scheduler)
+    assert len(scheduler.running) == 2 and len(scheduler.waiting) == 2
+
+
+def test_a_head_that_can_never_fit_is_aborted_instead_of_spinning():
+    scheduler = make_scheduler(num_blocks=4, budget=64)
+    too_big = make_seq(prompt(0, 30), "big")  # needs 8 blocks of a 4-block pool
+    scheduler.add(too_big)
+    batch, finished = step(scheduler)
+    assert batch == [] and finished == [too_big] and too_big.finish_reason == "abort"
+    assert not scheduler.has_unfinished
+
+
+def test_fork_shares_blocks_and_copies_the_partial_block_before_writing():
+    scheduler = make_scheduler(num_blocks=16, budget=64)
+    scheduler.make_fork = lambda parent, index: parent.fork(index, None, None)
+    parent = make_seq(prompt(0, 6), "r", max_tokens=3, n=3)  # 1 full block + a partial one
+    scheduler.add(parent)
+    blocks = scheduler.blocks
+    step(scheduler)
+    assert len(scheduler.running) == 3
+    tables = [seq.block_table for seq in scheduler.running]
+    assert tables[0] == tables[1] == tables[2]
+    assert blocks.backend.num_free_blocks == 16 - 2  # shared, not duplicated
+    pool = blocks.kv_pool
+    pool.storage[tables[0][1]] = 5.0  # the shared partial block's KV
+    step(scheduler)  # every sibling writes into block 1: two copy it first, the last writes in place
+    assert blocks.num_cow_copies == 2
+    assert len({seq.block_table[1] for seq in scheduler.running}) == 3
+    assert all(seq.block_table[0] == tables[0][0] for seq in scheduler.running)
+    assert all(bool((pool.storage[seq.block_table[1]] == 5.0).all()) for seq in scheduler.running)
+    while scheduler.has_unfinished:
+        step(scheduler)
+    assert not blocks.shared_refs and blocks.backend.num_free_blocks == 16
+
+
+@pytest.mark.parametrize("backend", ["hash_blocks", "radix"])
+def test_finished_sequences_free_everything_into_the_backend(backend):
+    scheduler = make_scheduler(num_blocks=32, backend=backend, budget=8)
+    for i in range(5):
+        scheduler.add(make_seq(prompt(10 * i, 3 + 4 * i), f"s{i}", max_tokens=5))
+    while scheduler.has_unfinished:
+        step(scheduler)
+    assert scheduler.blocks.backend.num_free_blocks == 32
+    assert scheduler.num_output_tokens == 25
