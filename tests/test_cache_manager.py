@@ -1,0 +1,147 @@
+"""The cache manager moves whole blocks between a real KV pool and real tiers (host, LMDB)."""
+from __future__ import annotations
+
+import torch
+
+from corekv.backend import EvictedBlock
+from corekv.cache_manager import CacheManager, TierRun
+from corekv.engine.kv_pool import KVPool
+from corekv.hashing import PrefixKey, chain_seed
+from corekv.tiers.host import HostTier
+from corekv.tiers.lmdb import LMDBTier
+
+BLOCK = 4
+FINGERPRINT = b"test-model"
+
+
+def make_pool(num_blocks: int = 8) -> KVPool:
+    pool = KVPool(num_layers=2, num_blocks=num_blocks, block_size=BLOCK, num_kv_heads=2, head_dim=4,
+                  dtype=torch.float32, device="cpu")
+    pool.storage.copy_(torch.randn_like(pool.storage))
+    return pool
+
+
+def tier_kwargs(pool: KVPool) -> dict:
+    return dict(block_bytes=pool.bytes_per_block, fingerprint=FINGERPRINT, dtype="float32",
+                shape=pool.block_shape)
+
+
+def make_key(num_blocks: int, salt: str | None = None) -> PrefixKey:
+    return PrefixKey(list(range(100, 100 + num_blocks * BLOCK)), BLOCK, chain_seed("m", BLOCK, salt))
+
+
+def test_write_back_then_reload_gives_the_same_bytes(tmp_path):
+    pool = make_pool()
+    host = HostTier(size=4 * 4096, **tier_kwargs(pool))
+    manager = CacheManager([host], pool)
+    key = make_key(3)
+    original = pool.read_blocks([0, 1, 2]).clone()
+    manager.on_evict([EvictedBlock(h, b) for h, b in zip(key.block_hashes, [0, 1, 2])])
+    manager.flush()
+    pool.storage[:3].zero_()
+
+    runs = manager.lookup(key, 0, 3)
+    assert runs == [TierRun(0, 3)]
+    loaded = manager.load(key, 0, runs, [5, 6, 7])
+    assert loaded == {"host": 3}
+    assert torch.equal(pool.read_blocks([5, 6, 7]), original)
+    assert manager.stats()["host"]["reloaded_blocks"] == 3
+    manager.close()
+
+
+def test_a_prefix_can_continue_from_one_tier_into_the_next(tmp_path):
+    pool = make_pool()
+    host = HostTier(size=8 * 4096, **tier_kwargs(pool))
+    disk = LMDBTier(path=str(tmp_path / "kv"), size=1 << 22, **tier_kwargs(pool))
+    key = make_key(4)
+    original = pool.read_blocks([0, 1, 2, 3]).clone()
+    payload = original.view(torch.uint8).reshape(4, -1).numpy()
+    host.put([(key.block_hashes[i], payload[i]) for i in range(2)])
+    disk.put([(key.block_hashes[i], payload[i]) for i in range(2, 4)])
+    manager = CacheManager([host, disk], pool)
+
+    runs = manager.lookup(key, 0, 4)
+    assert runs == [TierRun(0, 2), TierRun(1, 2)]
+    assert manager.load(key, 0, runs, [4, 5, 6, 7]) == {"host": 2, "lmdb": 2}
+    assert torch.equal(pool.read_blocks([4, 5, 6, 7]), original)
+    manager.flush()  # the two LMDB hits were promoted to the host tier
+    assert host.exists(key.block_hashes) == 4
+    manager.close()
+
+
+def test_a_corrupt_entry_ends_the_reload_and_is_counted(tmp_path):
+    pool = make_pool()
+    host = HostTier(size=8 * 4096, **tier_kwargs(pool))
+    key = make_key(3)
+    payload = pool.read_blocks([0, 1, 2]).view(torch.uint8).reshape(3, -1).numpy().copy()
+    host.put([(h, payload[i]) for i, h in enumerate(key.block_hashes)])
+    slot = host.key_to_slot[key.block_hashes[1]]
+    host._rows[slot, -1] ^= 0xFF  # flip a payload byte behind the checksum
+    manager = CacheManager([host], pool)
+
+    runs = manager.lookup(key, 0, 3)
+    assert manager.load(key, 0, runs, [5, 6, 7]) == {"host": 1}
+    assert host.stats()["faults"] == 1
+    assert host.exists(key.block_hashes) == 1  # the bad entry is gone
+    manager.close()
+
+
+def test_salts_never_share_tier_entries():
+    pool = make_pool()
+    host = HostTier(size=8 * 4096, **tier_kwargs(pool))
+    manager = CacheManager([host], pool)
+    key_a, key_b = make_key(2, salt="a"), make_key(2, salt="b")
+    manager.on_evict([EvictedBlock(h, b) for h, b in zip(key_a.block_hashes, [0, 1])])
+    manager.flush()
+    assert manager.lookup(key_a, 0, 2) == [TierRun(0, 2)]
+    assert manager.lookup(key_b, 0, 2) == []
+    manager.close()
+
+
+def test_write_through_offloads_on_cache_and_write_back_does_not():
+    pool = make_pool()
+    key = make_key(2)
+    for policy, expected in (("write_through", 2), ("write_back", 0)):
+        host = HostTier(size=8 * 4096, **tier_kwargs(pool))
+        manager = CacheManager([host], pool, write_policy=policy)
+        manager.on_cached(key, [0, 1], start=0)
+        manager.flush()
+        assert host.num_entries == expected, policy
+        manager.close()
+
+
+def test_offload_min_hits_keeps_never_reused_blocks_off_the_tiers():
+    pool = make_pool()
+    host = HostTier(size=8 * 4096, **tier_kwargs(pool))
+    manager = CacheManager([host], pool, offload_min_hits=1)
+    key = make_key(2)
+    manager.note_hits(key, 1)  # only block 0 was ever hit
+    manager.on_evict([EvictedBlock(h, b) for h, b in zip(key.block_hashes, [0, 1])])
+    manager.flush()
+    assert host.exists(key.block_hashes[:1]) == 1
+    assert host.exists(key.block_hashes[1:]) == 0
+    manager.close()
+
+
+def test_a_full_offload_queue_skips_and_counts_instead_of_waiting():
+    pool = make_pool()
+    host = HostTier(size=8 * 4096, **tier_kwargs(pool))
+    manager = CacheManager([host], pool, queue_blocks=2)
+    key = make_key(3)
+    manager.on_evict([EvictedBlock(h, b) for h, b in zip(key.block_hashes, [0, 1, 2])])
+    manager.flush()
+    assert manager.stats()["host"]["offload_skips"] == 3
+    assert host.num_entries == 0
+    manager.close()
+
+
+def test_a_closed_tier_is_a_miss_not_an_error():
+    pool = make_pool()
+    host = HostTier(size=8 * 4096, **tier_kwargs(pool))
+    manager = CacheManager([host], pool)
+    host.close()
+    key = make_key(2)
+    assert manager.lookup(key, 0, 2) == []
+    manager.on_evict([EvictedBlock(key.block_hashes[0], 0)])
+    manager.flush()
+    manager.close()
