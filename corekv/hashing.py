@@ -95,9 +95,15 @@ def block_hashes(
     :param seed: ``chain_seed(...)`` for block 0, or the hash of block ``start - 1`` to extend a chain.
     :param start: index of the first block to hash; earlier blocks are taken as already hashed.
     """
-    digest = _digest_function(algorithm)
+    digest = _DIGESTS.get(algorithm) or _digest_function(algorithm)
     stride = 4 * block_size
-    packed = pack_tokens(token_ids[start * block_size:] if start else token_ids)
+    tokens = token_ids[start * block_size:] if start else token_ids
+    if tokens.__class__ is list:   # the common case, without pack_tokens' dispatch
+        words = array("I")
+        words.fromlist(tokens)
+        packed = words.tobytes()
+    else:
+        packed = pack_tokens(tokens)
     prev = seed
     # NOTE: a comprehension carrying the chain with := runs ~20% faster than an append loop.
     return [prev := digest(prev + packed[offset:offset + stride])
@@ -142,13 +148,12 @@ class PrefixKey:
     @property
     def block_hashes(self) -> list[BlockHash]:
         """Chained hashes of every full block of ``token_ids`` (computed once each)."""
-        done = len(self._hashes)
-        if done < self.num_full_blocks:
-            seed = self._hashes[-1] if done else self.namespace
-            self._hashes.extend(
-                block_hashes(self.token_ids, self.block_size, seed, self.algorithm, start=done)
-            )
-        return self._hashes
+        hashes = self._hashes
+        done = len(hashes)
+        if done < len(self.token_ids) // self.block_size:
+            hashes += block_hashes(self.token_ids, self.block_size,
+                                   hashes[-1] if done else self.namespace, self.algorithm, start=done)
+        return hashes
 
     def extend(self, token_ids: Sequence[int]) -> None:
         """Append tokens (e.g. generated ones); their full blocks get hashes on next access."""

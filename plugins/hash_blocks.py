@@ -57,10 +57,12 @@ class HashBlockBackend(PrefixCacheBackend):
 
     # -- lookup ------------------------------------------------------------------------------
     def match(self, key: PrefixKey, max_blocks: int | None = None) -> list[int]:
-        _check_key(key, self)
+        if key.__class__ is not PrefixKey or key.block_size != self.block_size:
+            _check_key(key, self)
         hashes = key.block_hashes
         if max_blocks is not None:
-            _check_count("max_blocks", max_blocks)
+            if max_blocks.__class__ is not int or max_blocks < 0:
+                _check_count("max_blocks", max_blocks)
             hashes = hashes[:max_blocks]
         # NOTE: one C-level pass (map + index) instead of a Python loop per block.
         block_ids = list(map(self._hash_to_block.get, hashes))
@@ -70,7 +72,9 @@ class HashBlockBackend(PrefixCacheBackend):
 
     # -- ownership ---------------------------------------------------------------------------
     def acquire(self, block_ids: Sequence[int]) -> None:
-        self._check_ids("block_ids", block_ids)
+        # NOTE: checks inlined (min/max run in C); the per-request verbs are the hot path.
+        if block_ids and (min(block_ids) < 0 or max(block_ids) >= self.num_blocks):
+            self._check_ids("block_ids", block_ids)
         ref, lru, block_hash = self._ref, self._lru, self._block_hash
         for i, b in enumerate(block_ids):
             r = ref[b]
@@ -112,12 +116,14 @@ class HashBlockBackend(PrefixCacheBackend):
         return block_ids
 
     def cache(self, key: PrefixKey, block_ids: Sequence[int]) -> None:
-        _check_key(key, self)
+        if key.__class__ is not PrefixKey or key.block_size != self.block_size:
+            _check_key(key, self)
         hashes = key.block_hashes
         if len(block_ids) > len(hashes):
             raise ValueError(f"block_ids has {len(block_ids)} blocks but key has only {len(hashes)} "
                              "full blocks; pass the block ids of full blocks only")
-        self._check_ids("block_ids", block_ids)
+        if block_ids and (min(block_ids) < 0 or max(block_ids) >= self.num_blocks):
+            self._check_ids("block_ids", block_ids)
         ref, block_hash, hash_to_block = self._ref, self._block_hash, self._hash_to_block
         stored = []
         for b, h in zip(block_ids, hashes):
@@ -139,19 +145,17 @@ class HashBlockBackend(PrefixCacheBackend):
             self._events.append(BlockEvent("stored", tuple(stored)))
 
     def free(self, block_ids: Sequence[int]) -> None:
-        self._check_ids("block_ids", block_ids)
+        if block_ids and (min(block_ids) < 0 or max(block_ids) >= self.num_blocks):
+            self._check_ids("block_ids", block_ids)
         ref, lru, empty, block_hash = self._ref, self._lru, self._empty, self._block_hash
-        if 0 in map(ref.__getitem__, block_ids):
-            b = next(b for b in block_ids if ref[b] == 0)
-            raise ValueError(f"block {b} in block_ids is not in use (reference count 0); free each "
-                             "block once per allocate()/acquire()")
         released = block_ids[::-1]   # tail first
         for k, b in enumerate(released):
             r = ref[b] - 1
-            if r < 0:   # listed more often than it is referenced
+            if r < 0:   # not in use, or listed more often than it is referenced
                 self._undo_free(released[:k])
                 raise ValueError(f"block {b} is listed in block_ids more often than it is "
-                                 "referenced; free each block once per allocate()/acquire()")
+                                 "referenced (a block not in use has no reference); free each "
+                                 "block once per allocate()/acquire()")
             ref[b] = r
             if r == 0:
                 if block_hash[b] is None:

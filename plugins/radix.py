@@ -83,11 +83,13 @@ class RadixBackend(RadixTreeOps, PrefixCacheBackend):
 
     # -- lookup ------------------------------------------------------------------------------
     def match(self, key: PrefixKey, max_blocks: int | None = None) -> list[int]:
-        _check_key(key, self)
+        if key.__class__ is not PrefixKey or key.block_size != self.block_size:
+            _check_key(key, self)
         tokens, page = key.token_ids, self.page
         num_pages = len(tokens) // page
         if max_blocks is not None:
-            _check_count("max_blocks", max_blocks)
+            if max_blocks.__class__ is not int or max_blocks < 0:
+                _check_count("max_blocks", max_blocks)
             num_pages = min(num_pages, max_blocks)
         limit = num_pages * page
         node = self._roots.get(key.namespace)
@@ -139,7 +141,8 @@ class RadixBackend(RadixTreeOps, PrefixCacheBackend):
         return block_ids
 
     def cache(self, key: PrefixKey, block_ids: Sequence[int]) -> None:
-        _check_key(key, self)
+        if key.__class__ is not PrefixKey or key.block_size != self.block_size:
+            _check_key(key, self)
         if len(block_ids) > key.num_full_blocks:
             raise ValueError(f"block_ids has {len(block_ids)} blocks but key has only "
                              f"{key.num_full_blocks} full blocks; pass the ids of full blocks only")
