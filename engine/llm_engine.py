@@ -53,6 +53,9 @@ class Engine:
                             "from corekv.engine.models.load_model, or None to load config.model")
         self.config = config
         ecfg = config.engine
+        if ecfg.preemption != "recompute":
+            raise ConfigError(f"engine.preemption: {ecfg.preemption!r} is not available yet (swap arrives "
+                              "with the storage tiers); use preemption: recompute")
         self.plugin_manager = make_plugin_manager([*config.plugins, *plugins])
         self.model = model or load_model(config.model, dtype=config.dtype, device=config.device,
                                          plugin_manager=self.plugin_manager)
@@ -81,6 +84,8 @@ class Engine:
         self._request_counter = itertools.count()
         self._namespaces: dict[str | None, bytes] = {}
         self._is_closed = False
+        #: outputs of requests added with add_request that finished while generate/stream/warm ran
+        self._unclaimed: list[RequestOutput] = []
         logger.info("corekv engine: %s, %d KV blocks x %d tokens = %d tokens (%d bytes per token), backend %s",
                     config.model, num_blocks, self.block_size, self.kv_pool.capacity_tokens,
                     self.kv_pool.bytes_per_token, config.cache.backend)
@@ -119,7 +124,12 @@ class Engine:
 
     # -- the loop ----------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """Run one scheduling step; returns the requests that finished in it."""
+        """Run one scheduling step; returns the requests that finished in it (and any that finished
+        while ``generate`` / ``stream`` / ``warm`` drove the loop for their own requests)."""
+        unclaimed, self._unclaimed = self._unclaimed, []
+        return unclaimed + self._step()
+
+    def _step(self) -> list[RequestOutput]:
         batch = self.scheduler.schedule()
         logits = self.runner.execute([self._chunk(item) for item in batch]) if batch else None
         seqs, rows = self.scheduler.advance(batch)
@@ -179,10 +189,12 @@ class Engine:
         bar = _progress_bar(len(requests), use_tqdm)
         try:
             while len(outputs) < len(requests):
-                for output in self.step():
+                for output in self._step():
                     if output.request_id in wanted:
                         outputs[output.request_id] = output
                         bar.update(1)
+                    else:
+                        self._unclaimed.append(output)
         finally:
             bar.close()
             for request in requests:
@@ -207,7 +219,7 @@ class Engine:
         emitted = 0
         try:
             while not seq.is_finished:
-                self.step()
+                self._unclaimed.extend(o for o in self._step() if o.request_id != request.request_id)
                 if not seq.is_finished:
                     seq.update_text()
                 end = len(seq.text) if seq.is_finished else max(emitted, len(seq.text) - holdback)
@@ -235,7 +247,7 @@ class Engine:
         request.is_internal = True
         self._enqueue(request, cache_salt)
         while not request.seqs[0].is_finished:
-            self.step()
+            self._unclaimed.extend(self._step())
         key = self.prefix_key(token_ids, cache_salt)
         num_blocks = self.backend.pin(key) if pin else len(self.backend.match(key))
         self._after_step([])  # publish the pin's events, if any

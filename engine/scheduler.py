@@ -7,6 +7,7 @@ left of the budget and continues next step, so a long prompt never stalls the de
 """
 from __future__ import annotations
 
+import logging
 import time
 from collections import deque
 from collections.abc import Callable, Sequence as SequenceABC
@@ -16,6 +17,8 @@ from corekv.engine.block_manager import BlockManager
 from corekv.engine.sequence import Sequence, SequenceStatus
 
 __all__ = ["Scheduler", "ScheduledSeq", "SCHEDULING_POLICIES"]
+
+logger = logging.getLogger(__name__)
 
 SCHEDULING_POLICIES = ("lpm", "fcfs")
 #: ``lpm`` orders by longest prefix match only while the queue is at most this long: beyond it,
@@ -96,10 +99,10 @@ class Scheduler:
         for seq in self._admission_order():  # then new (or preempted) sequences
             if budget == 0 or len(self.running) + 1 + seq.num_pending_forks > self.max_num_seqs:
                 break
-            fits_whole = seq.num_tokens - len(self.blocks.match(seq)) * self.blocks.block_size <= budget
-            is_alone = not batch and not self.running
-            if not (self.enable_chunked_prefill or fits_whole or is_alone):
-                break
+            if not self.enable_chunked_prefill and (batch or self.running):
+                # NOTE: unchunked, a prompt runs whole: in a step with room for it, or alone.
+                if seq.num_tokens - len(self.blocks.match(seq)) * self.blocks.block_size > budget:
+                    break
             if not self.blocks.allocate(seq):
                 break
             self._admit(seq)
@@ -111,7 +114,11 @@ class Scheduler:
         if not batch and self.waiting and not self.running:
             # NOTE: nothing runs, so every unpinned block is free: the head can never fit (e.g.
             # pins grew after it was added). Abort it rather than spin forever.
-            self.abort(self._admission_order()[0])
+            head = self._admission_order()[0]
+            logger.error("request %r needs %d blocks for its %d tokens but the pool can never supply "
+                         "them (pinned blocks grew since it was added?); aborting it", head.request_id,
+                         self.blocks.num_blocks_needed(head.num_tokens), head.num_tokens)
+            self.abort(head)
         return batch
 
     def advance(self, batch: SequenceABC[ScheduledSeq]) -> tuple[list[Sequence], list[int]]:

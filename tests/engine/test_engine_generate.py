@@ -9,6 +9,7 @@ from corekv.config import CacheConfig, Config, EngineConfig
 from corekv.engine.llm_engine import Engine
 from corekv.engine.requests import RequestRejectedError
 from corekv.engine.sampling import SamplingParams
+from corekv.errors import ConfigError, CoreKVError
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
 PROMPTS = ["hello world, this is a longer prompt about blocks and caches", "abc",
@@ -176,3 +177,45 @@ def test_stats_count_steps_tokens_and_reuse(tiny_llama):
     assert stats["tokens_computed"] == 42 + 2 * 11  # prompts minus reuse, plus decodes
     assert stats["num_steps"] == 24 and stats["tiers"] == {}
     assert stats["kv_usage"] == 0.0 and stats["backend"]["num_blocks"] == 64
+
+
+def test_add_request_and_step_drive_the_loop_and_no_output_is_lost(tiny_llama, references):
+    with make_engine(tiny_llama) as engine:
+        request_id = engine.add_request(PROMPTS[0], GREEDY)
+        assert engine.has_unfinished_requests
+        other = engine.generate(PROMPTS[1], GREEDY)[0]  # runs (and may finish) the queued request too
+        outputs = []
+        while engine.has_unfinished_requests or not outputs:
+            outputs.extend(engine.step())
+        assert [o.request_id for o in outputs] == [request_id]
+        assert outputs[0].token_ids == references[0] and other.token_ids == references[1]
+        assert engine.step() == []
+
+
+def test_abort_finishes_a_request_with_abort_and_frees_its_blocks(tiny_llama):
+    with make_engine(tiny_llama) as engine:
+        request_id = engine.add_request(list(range(3, 40)), GREEDY)
+        engine.step()
+        engine.abort(request_id)
+        (output,) = engine.step()
+        assert output.finish_reason == "abort" and len(output.token_ids) == 1
+        assert engine.stats()["kv_num_free_blocks"] == 64 and not engine.has_unfinished_requests
+
+
+def test_from_config_mapping_and_pool_sizing(tiny_llama):
+    mapping = {"engine": {"kv_cache_memory": "1MiB", "block_size": 16}, "cache": {"backend": "radix"}}
+    with Engine.from_config(mapping, model=tiny_llama) as engine:
+        per_block = 2 * tiny_llama.num_layers * tiny_llama.num_kv_heads * tiny_llama.head_dim * 4 * 16
+        assert engine.stats()["kv_num_blocks"] == 2**20 // per_block
+        assert engine.backend.name == "radix"
+        assert engine.generate("abc", GREEDY)[0].finish_reason == "length"
+    with pytest.raises(CoreKVError, match="closed"):
+        engine.generate("abc", GREEDY)
+
+
+def test_config_errors_name_the_field(tiny_llama):
+    with pytest.raises(ConfigError, match=r"cache.backend.*'radx'.*did you mean 'radix'"):
+        Engine(Config(model="tiny", engine=EngineConfig(num_blocks=8), cache=CacheConfig(backend="radx")),
+               model=tiny_llama)
+    with pytest.raises(ConfigError, match="engine.preemption"):
+        Engine(Config(model="tiny", engine=EngineConfig(num_blocks=8, preemption="swap")), model=tiny_llama)
