@@ -82,6 +82,11 @@ class CacheConfig:
                                choices=("write_back", "write_through"))
     max_pinned_fraction: float = _field(0.2, "most of the pool that pinned prefixes may hold",
                                         minimum=0.0, maximum=1.0)
+    offload_min_hits: int = _field(0, "offload only blocks hit at least this often on the device "
+                                   "(keeps never-reused blocks off SSDs); 0 offloads every block",
+                                   minimum=0)
+    offload_queue_blocks: int = _field(256, "most blocks waiting for the background tier writer; "
+                                       "past it offloads are skipped and counted", minimum=1)
     pinned: tuple[PinnedPrefix, ...] = _field((), "prefixes warmed and pinned when an engine starts")
     tiers: tuple[TierConfig, ...] = _field((), "storage tiers below the device pool, searched in order")
 

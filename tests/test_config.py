@@ -536,3 +536,10 @@ def test_reference_names_the_registered_backends_and_tier_types(pm):
     assert f"| `cache.backend` | a registered name: {', '.join(sorted(pm.backends()))} | radix |" in text
     assert f"| `cache.tiers[].type` | a registered name: {', '.join(sorted(pm.tiers()))} | required |" in text
     assert "| `cache.backend` | a non-empty string | radix |" in config_reference()
+
+
+def test_offload_settings_for_the_cache_manager(pm):
+    cfg = load({"cache": {**TOY, "offload_min_hits": 2, "offload_queue_blocks": 64}}, pm)
+    assert (cfg.cache.offload_min_hits, cfg.cache.offload_queue_blocks) == (2, 64)
+    assert str(error_of({"cache": {**TOY, "offload_queue_blocks": 0}}, pm)) == (
+        "cache.offload_queue_blocks: got 0; expected an integer >= 1")
