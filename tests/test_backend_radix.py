@@ -55,7 +55,7 @@ def test_only_unlocked_leaves_are_evicted_and_a_parent_follows_its_last_child():
     Request(b, [1, 2, 3, 4, 5]).finish()
     Request(b, [1, 2, 3, 9, 9]).finish()        # 7 cached tokens, one free slot
     held = Request(b, [1, 2, 3, 4, 5, 6])        # locks [1, 2, 3], [4, 5]; takes the free slot
-    assert b.allocate(3) is None                  # only [9, 9] and [6]'s ... are unlocked
+    assert b.allocate(3) is None                  # only the leaf [9, 9] is unlocked
     assert b.allocate(2) is not None              # evicts the unlocked leaf [9, 9]
     assert b.match(make_key([1, 2, 3, 9, 9], 1)) == held.table[:3]
     held.finish()
