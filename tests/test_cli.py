@@ -254,3 +254,11 @@ def test_config_may_be_given_before_or_after_the_command(tmp_path, capsys):
     assert yaml.safe_load(capsys.readouterr().out)["engine"]["block_size"] == 32
     assert main(["--config", str(bad), "config", "--config", str(good)]) == 0  # the later one wins
     assert yaml.safe_load(capsys.readouterr().out)["engine"]["block_size"] == 32
+
+
+def test_a_runtime_error_from_the_engine_is_one_line_with_exit_code_1(tmp_path):
+    missing = tmp_path / "no-model-here"
+    result = run("generate", "--prompt", "hi", env={"COREKV_MODEL": str(missing)})
+    assert result.returncode == 1
+    line = one_line_error(result.stderr)
+    assert str(missing) in line and "Traceback" not in result.stderr
