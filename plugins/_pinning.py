@@ -37,8 +37,8 @@ class PinBook:
             raise PinLimitError(
                 f"pinning {key!r} would pin {num_new} more block(s) on top of "
                 f"{self.num_pinned_blocks} already pinned, past the cap of "
-                f"{self.max_pinned_blocks} block(s) ({backend.max_pinned_blocks} of "
-                f"{backend.num_blocks} pool blocks); raise cache.max_pinned_fraction or pin less"
+                f"{self.max_pinned_blocks} of the pool's {backend.num_blocks} blocks (set by "
+                "cache.max_pinned_fraction); raise cache.max_pinned_fraction or pin less"
             )
         backend.acquire(run)
         for b in run:
