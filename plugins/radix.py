@@ -146,6 +146,8 @@ class RadixBackend(RadixTreeOps, PrefixCacheBackend):
         if len(block_ids) > key.num_full_blocks:
             raise ValueError(f"block_ids has {len(block_ids)} blocks but key has only "
                              f"{key.num_full_blocks} full blocks; pass the ids of full blocks only")
+        if not block_ids:
+            return
         tokens, page, child_key = key.token_ids, self.page, self._child_key
         limit = len(block_ids) * page
         node = self._roots.get(key.namespace)
