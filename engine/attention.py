@@ -48,8 +48,10 @@ class AttentionMetadata:
     """Per-forward description of the batch; built once per step, read by every layer.
 
     Invariants: ``slot_block_ids[t], slot_offsets[t]`` is token ``t``'s slot; decode tokens come
-    first; ``decode_block_tables`` rows are padded with block 0 and the padding is masked out by
-    ``decode_mask`` (None when every decode row is exactly full).
+    first; a decode sequence's blocks are ``decode_shared_blocks`` (the leading blocks every decode
+    sequence has in common, or None) followed by its row of ``decode_block_tables``; rows are padded
+    with block 0 and the padding is masked out by the additive ``decode_mask`` (0 / -inf, None when
+    every row is exactly full); each row holds at least the block of its query token.
     """
 
     kv_pool: KVPool
@@ -58,6 +60,7 @@ class AttentionMetadata:
     num_decode_tokens: int = 0
     decode_block_tables: torch.Tensor | None = None
     decode_mask: torch.Tensor | None = None
+    decode_shared_blocks: torch.Tensor | None = None
     prefills: list[PrefillSlice] = field(default_factory=list)
     #: attention calls seen this forward; the runner checks it equals the number of layers, so a
     #: model that bypasses the AttentionInterface fails loudly instead of leaving the pool unwritten
@@ -93,12 +96,10 @@ def paged_attention_forward(
     num_decode = meta.num_decode_tokens
     if num_decode:
         # NOTE: one query per sequence, so the query heads of a KV group become that group's query
-        # rows ([B, Hkv, G, D]) and SDPA never materialises repeated K/V.
+        # rows ([B, Hkv, G, D]) and attention never materialises repeated K/V.
         q = queries[:num_decode].reshape(num_decode, num_kv_heads, num_heads // num_kv_heads, head_dim)
-        k = _gather(k_cache, meta.decode_block_tables)
-        v = _gather(v_cache, meta.decode_block_tables)
-        o = F.scaled_dot_product_attention(q, k, v, attn_mask=meta.decode_mask, scale=scaling)
-        out[:num_decode] = o.reshape(num_decode, num_heads, head_dim)
+        out[:num_decode] = _decode_attention(q, k_cache, v_cache, meta, scaling).reshape(
+            num_decode, num_heads, head_dim)
 
     gqa = num_heads != num_kv_heads
     for chunk in meta.prefills:
@@ -114,6 +115,43 @@ def paged_attention_forward(
             o = F.scaled_dot_product_attention(q, k, v, attn_mask=chunk.mask, scale=scaling, enable_gqa=gqa)
         out[chunk.token_start:chunk.token_end] = o[0].transpose(0, 1)
     return out[None], None
+
+
+def _decode_attention(q, k_cache, v_cache, meta: AttentionMetadata, scaling) -> torch.Tensor:
+    """Attention of the decode queries ``[B, Hkv, G, D]`` over their blocks."""
+    k = _gather(k_cache, meta.decode_block_tables)
+    v = _gather(v_cache, meta.decode_block_tables)
+    if meta.decode_shared_blocks is None:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=meta.decode_mask, scale=scaling)
+    # NOTE: cascade attention. When every decoding sequence starts with the same blocks (a shared
+    # system prompt, n > 1 samples), those blocks are gathered once and attended by all B*G query
+    # rows in one GEMM-shaped call; only each sequence's own tail is gathered per sequence. The two
+    # partial results merge exactly through their log-sum-exps. This cuts the bytes a decode step
+    # moves through memory roughly by the shared fraction of the context.
+    batch, num_kv_heads, group, head_dim = q.shape
+    shared = meta.decode_shared_blocks[None]
+    k_shared, v_shared = _gather(k_cache, shared), _gather(v_cache, shared)
+    q_shared = q.permute(1, 0, 2, 3).reshape(1, num_kv_heads, batch * group, head_dim)
+    out_shared, lse_shared = _attention_with_lse(q_shared, k_shared, v_shared, None, scaling)
+    out_shared = out_shared.view(num_kv_heads, batch, group, head_dim).transpose(0, 1)
+    lse_shared = lse_shared.view(num_kv_heads, batch, group).transpose(0, 1)
+    out_own, lse_own = _attention_with_lse(q, k, v, meta.decode_mask, scaling)
+    lse = torch.logaddexp(lse_shared, lse_own)
+    return (out_shared * torch.exp(lse_shared - lse)[..., None]
+            + out_own * torch.exp(lse_own - lse)[..., None]).to(q.dtype)
+
+
+def _attention_with_lse(q, k, v, mask, scaling):
+    """``(softmax(q k^T * scale + mask) v, logsumexp)``; ``mask`` is additive (0 / -inf) or None."""
+    if q.device.type == "cpu":
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            q.contiguous(), k, v, attn_mask=mask, scale=scaling)
+        return out, lse
+    scores = torch.matmul(q, k.transpose(-1, -2)).float() * scaling
+    if mask is not None:
+        scores = scores + mask
+    lse = torch.logsumexp(scores, dim=-1)
+    return torch.matmul(torch.exp(scores - lse[..., None]).to(v.dtype), v), lse
 
 
 def _gather(cache: torch.Tensor, block_tables: torch.Tensor) -> torch.Tensor:

@@ -96,14 +96,7 @@ class ModelRunner:
         slot_block_ids = flat_tables[table_bases[chunk_of_token] + positions // bs]
 
         num_decode = sum(1 for n in lengths if n == 1)
-        decode_tables = decode_mask = None
-        if num_decode:
-            max_blocks = max(num_blocks[:num_decode])
-            decode_tables = torch.tensor([t + [0] * (max_blocks - len(t)) for t in tables[:num_decode]],
-                                         dtype=torch.long, device=device)
-            context = torch.tensor(starts[:num_decode]) + 1
-            if bool((context != max_blocks * bs).any()):
-                decode_mask = (torch.arange(max_blocks * bs)[None] < context[:, None])[:, None, None].to(device)
+        decode = self._decode_tables(tables[:num_decode], starts[:num_decode]) if num_decode else (None,) * 3
         prefills = []
         for i in range(num_decode, len(chunks)):
             start, n = starts[i], lengths[i]
@@ -119,13 +112,34 @@ class ModelRunner:
             slot_block_ids=slot_block_ids.to(device),
             slot_offsets=(positions % bs).to(device),
             num_decode_tokens=num_decode,
-            decode_block_tables=decode_tables,
-            decode_mask=decode_mask,
+            decode_block_tables=decode[0],
+            decode_mask=decode[1],
+            decode_shared_blocks=decode[2],
             prefills=prefills,
         )
         input_ids = torch.tensor(list(chain.from_iterable(c.token_ids for c in chunks)), dtype=torch.long)
         last_index = torch.cumsum(lengths_t, 0) - 1
         return meta, input_ids.to(device), positions.to(device), last_index.to(device)
+
+    def _decode_tables(self, tables: list[list[int]], starts: list[int]):
+        """Padded block tables, additive padding mask and shared leading blocks of the decodes."""
+        bs, device = self.block_size, self.device
+        max_blocks = max(len(t) for t in tables)
+        padded = torch.tensor([t + [0] * (max_blocks - len(t)) for t in tables], dtype=torch.long)
+        num_shared = 0
+        if len(tables) > 1:
+            # leading columns equal in every row; each row keeps at least its last block
+            same = (padded == padded[0]).all(0).long()
+            num_shared = min(int(torch.cumprod(same, 0).sum()), min(len(t) for t in tables) - 1)
+        shared = padded[0, :num_shared].to(device) if num_shared else None
+        padded = padded[:, num_shared:]
+        context = torch.tensor(starts) + 1 - num_shared * bs
+        mask = None
+        if bool((context != padded.shape[1] * bs).any()):
+            valid = torch.arange(padded.shape[1] * bs)[None] < context[:, None]
+            mask = torch.zeros(valid.shape, dtype=self.kv_pool.dtype).masked_fill_(~valid, float("-inf"))
+            mask = mask[:, None, None].to(device)
+        return padded.to(device), mask, shared
 
     def _validate(self, chunks: list[ScheduledChunk]) -> None:
         bs, num_blocks = self.block_size, self.kv_pool.num_blocks

@@ -209,3 +209,23 @@ def test_smollm2_logits_match_hf_with_block_size_32(smollm2, hf_attention):
     second = runner.execute([ScheduledChunk(prompt[split:], split, table)])
     torch.testing.assert_close(first[0], reference[split - 1], rtol=1e-4, atol=1e-3)
     torch.testing.assert_close(second[0], reference[-1], rtol=1e-4, atol=1e-3)
+
+
+@pytest.mark.parametrize("suffix_lengths", [(3, 20, 40), (1, 1, 1)])
+def test_decodes_sharing_leading_blocks_match_hf(tiny_llama, hf_attention, suffix_lengths):
+    """Decodes whose block tables start with the same blocks (a shared system prompt) take the
+    cascade path: the shared blocks are attended once for all of them."""
+    shared = random_ids(60, 48)  # three full blocks of 16
+    seqs = [shared + random_ids(61 + i, n) for i, n in enumerate(suffix_lengths)]
+    runner = make_runner(tiny_llama, num_blocks=24, block_size=16)
+    prefix_table = [17, 3, 11]
+    runner.execute([ScheduledChunk(shared, 0, prefix_table)])
+    free = [b for b in range(24) if b not in prefix_table]
+    random.Random(9).shuffle(free)
+    tables = [prefix_table + free[3 * i:3 * i + 3] for i in range(3)]
+    rest = [ScheduledChunk(s[48:-1], 48, t) for s, t in zip(seqs, tables) if len(s) > 49]
+    if rest:
+        runner.execute(rest)
+    logits = runner.execute([ScheduledChunk([s[-1]], len(s) - 1, t) for s, t in zip(seqs, tables)])
+    expected = torch.stack([reference_logits(tiny_llama, hf_attention, s)[-1] for s in seqs])
+    torch.testing.assert_close(logits, expected, rtol=1e-5, atol=1e-5)
