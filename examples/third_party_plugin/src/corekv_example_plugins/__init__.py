@@ -1,0 +1,7 @@
+"""Example corekv plugins, installed through the ``corekv`` entry-point group.
+
+* :mod:`corekv_example_plugins.compressed_host`: tier ``compressed_host`` (zstd in CPU memory);
+* :mod:`corekv_example_plugins.lfu_blocks`: backend ``lfu_blocks`` (hash blocks, LFU eviction).
+
+Importing this package imports neither plugin: corekv imports each entry point's module itself.
+"""
