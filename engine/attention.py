@@ -62,6 +62,8 @@ class AttentionMetadata:
     decode_mask: torch.Tensor | None = None
     decode_shared_blocks: torch.Tensor | None = None
     prefills: list[PrefillSlice] = field(default_factory=list)
+    #: reusable gather buffers by name (owned by the runner, kept across steps; see ``_gather``)
+    buffers: dict[str, torch.Tensor] = field(default_factory=dict)
     #: attention calls seen this forward; the runner checks it equals the number of layers, so a
     #: model that bypasses the AttentionInterface fails loudly instead of leaving the pool unwritten
     num_layer_calls: int = 0
@@ -110,8 +112,8 @@ def paged_attention_forward(
             o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scaling, enable_gqa=gqa)
         else:
             table = chunk.block_table[None]
-            k = _gather(k_cache, table)[:, :, :chunk.context_len]
-            v = _gather(v_cache, table)[:, :, :chunk.context_len]
+            k = _gather(k_cache, table, meta.buffers, "k")[:, :, :chunk.context_len]
+            v = _gather(v_cache, table, meta.buffers, "v")[:, :, :chunk.context_len]
             o = F.scaled_dot_product_attention(q, k, v, attn_mask=chunk.mask, scale=scaling, enable_gqa=gqa)
         out[chunk.token_start:chunk.token_end] = o[0].transpose(0, 1)
     return out[None], None
@@ -119,8 +121,8 @@ def paged_attention_forward(
 
 def _decode_attention(q, k_cache, v_cache, meta: AttentionMetadata, scaling) -> torch.Tensor:
     """Attention of the decode queries ``[B, Hkv, G, D]`` over their blocks."""
-    k = _gather(k_cache, meta.decode_block_tables)
-    v = _gather(v_cache, meta.decode_block_tables)
+    k = _gather(k_cache, meta.decode_block_tables, meta.buffers, "k")
+    v = _gather(v_cache, meta.decode_block_tables, meta.buffers, "v")
     if meta.decode_shared_blocks is None:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=meta.decode_mask, scale=scaling)
     # NOTE: cascade attention. When every decoding sequence starts with the same blocks (a shared
@@ -130,7 +132,8 @@ def _decode_attention(q, k_cache, v_cache, meta: AttentionMetadata, scaling) -> 
     # moves through memory roughly by the shared fraction of the context.
     batch, num_kv_heads, group, head_dim = q.shape
     shared = meta.decode_shared_blocks[None]
-    k_shared, v_shared = _gather(k_cache, shared), _gather(v_cache, shared)
+    k_shared = _gather(k_cache, shared, meta.buffers, "k_shared")
+    v_shared = _gather(v_cache, shared, meta.buffers, "v_shared")
     q_shared = q.permute(1, 0, 2, 3).reshape(1, num_kv_heads, batch * group, head_dim)
     out_shared, lse_shared = _attention_with_lse(q_shared, k_shared, v_shared, None, scaling)
     out_shared = out_shared.view(num_kv_heads, batch, group, head_dim).transpose(0, 1)
@@ -154,10 +157,19 @@ def _attention_with_lse(q, k, v, mask, scaling):
     return torch.matmul(torch.exp(scores - lse[..., None]).to(v.dtype), v), lse
 
 
-def _gather(cache: torch.Tensor, block_tables: torch.Tensor) -> torch.Tensor:
-    """``[B, num_kv_heads, num_blocks * block_size, head_dim]`` view over a copy of the blocks."""
+def _gather(cache: torch.Tensor, block_tables: torch.Tensor, buffers: dict, name: str) -> torch.Tensor:
+    """``[B, num_kv_heads, num_blocks * block_size, head_dim]`` view over a copy of the blocks.
+
+    NOTE: the copy lands in a buffer reused by every layer and step (grown when too small): a fresh
+    multi-MB tensor per layer costs page faults that measured as much as the copy itself.
+    """
     batch, num_blocks = block_tables.shape
-    blocks = cache[block_tables]  # [B, nb, bs, Hkv, D], one gather
+    rows = batch * num_blocks
+    buffer = buffers.get(name)
+    if buffer is None or buffer.shape[0] < rows or buffer.shape[1:] != cache.shape[1:]:
+        buffer = buffers[name] = cache.new_empty((max(rows, 2 * (0 if buffer is None else buffer.shape[0])),
+                                                  *cache.shape[1:]))
+    blocks = torch.index_select(cache, 0, block_tables.reshape(-1), out=buffer[:rows])
     return blocks.view(batch, num_blocks * cache.shape[1], cache.shape[2], cache.shape[3]).transpose(1, 2)
 
 

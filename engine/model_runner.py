@@ -54,6 +54,7 @@ class ModelRunner:
         self.kv_pool = kv_pool
         self.block_size = kv_pool.block_size
         self.device = kv_pool.device
+        self._gather_buffers: dict[str, torch.Tensor] = {}
 
     @torch.inference_mode()
     def execute(self, chunks: Sequence[ScheduledChunk]) -> torch.Tensor:
@@ -116,6 +117,7 @@ class ModelRunner:
             decode_mask=decode[1],
             decode_shared_blocks=decode[2],
             prefills=prefills,
+            buffers=self._gather_buffers,
         )
         input_ids = torch.tensor(list(chain.from_iterable(c.token_ids for c in chunks)), dtype=torch.long)
         last_index = torch.cumsum(lengths_t, 0) - 1
