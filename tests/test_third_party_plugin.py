@@ -1,0 +1,153 @@
+"""The example third-party package (examples/third_party_plugin) installs, is found, and runs.
+
+The package is copied to a temporary folder (so its build leaves nothing in the repository),
+installed into this venv with pip (no index, no build isolation: offline and fast), checked, and
+uninstalled when the module's tests are done, so other tests stay hermetic. Its runtime
+dependency ``zstandard`` and the build backend ``setuptools`` come from corekv's ``test`` extra.
+"""
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from corekv.plugin import AUTOLOAD_ENV, make_plugin_manager
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGE = ROOT / "examples" / "third_party_plugin"
+DISTRIBUTION = "corekv-example-plugins"
+pytest.importorskip("zstandard", reason="the example package needs zstandard (corekv's test extra)")
+
+
+def pip(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "pip", "--disable-pip-version-check", *args],
+                          capture_output=True, text=True, timeout=600)
+
+
+def env_with_autoload() -> dict[str, str]:
+    env = dict(os.environ)
+    env.pop(AUTOLOAD_ENV, None)  # third-party entry points load only with autoload on
+    return env
+
+
+@pytest.fixture(scope="module")
+def installed(tmp_path_factory):
+    source = tmp_path_factory.mktemp("package") / "third_party_plugin"
+    shutil.copytree(PACKAGE, source, ignore=shutil.ignore_patterns("*.egg-info", "build", "__pycache__"))
+    result = pip("install", "--no-deps", "--no-build-isolation", "--no-index", "-q", str(source))
+    assert result.returncode == 0, f"pip install failed:\n{result.stdout}\n{result.stderr}"
+    importlib.invalidate_caches()
+    yield source
+    result = pip("uninstall", "-y", "-q", DISTRIBUTION)
+    importlib.invalidate_caches()
+    assert result.returncode == 0, f"pip uninstall failed:\n{result.stdout}\n{result.stderr}"
+
+
+def test_corekv_plugins_lists_its_tier_and_backend_with_the_distribution(installed):
+    result = subprocess.run([sys.executable, "-c", "from corekv.cli import main; raise SystemExit(main())",
+                             "plugins", "--json"], capture_output=True, text=True, timeout=300,
+                            env=env_with_autoload())
+    assert result.returncode == 0, result.stderr
+    info = json.loads(result.stdout)
+    assert info["tiers"]["compressed_host"]["distribution"] == DISTRIBUTION
+    assert info["backends"]["lfu_blocks"]["distribution"] == DISTRIBUTION
+    assert set(info["tiers"]["compressed_host"]["options"]) == {"size", "level", "shuffle"}
+    assert info["plugins"]["lfu_blocks"] == {"distribution": DISTRIBUTION}
+
+
+def test_plain_corekv_plugins_table_names_the_distribution(installed):
+    result = subprocess.run([sys.executable, "-c", "from corekv.cli import main; raise SystemExit(main())",
+                             "plugins"], capture_output=True, text=True, timeout=300, env=env_with_autoload())
+    assert result.returncode == 0, result.stderr
+    rows = {line.split()[0]: line.split() for line in result.stdout.splitlines() if line.strip()}
+    assert rows["compressed_host"][1] == DISTRIBUTION and rows["lfu_blocks"][1] == DISTRIBUTION
+
+
+def test_autoload_off_keeps_third_party_plugins_out(installed):
+    manager = make_plugin_manager(autoload=False)
+    assert "lfu_blocks" not in manager.backends() and "compressed_host" not in manager.tiers()
+
+
+def test_its_own_conformance_tests_pass(installed):
+    result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                             str(installed / "tests")], capture_output=True, text=True, timeout=600,
+                            cwd=installed, env=env_with_autoload())
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
+    assert " passed" in result.stdout and "TierTests" not in result.stdout  # ran, and nothing failed
+
+
+@pytest.fixture(scope="module")
+def tiny_model_folder(tmp_path_factory):
+    """A tiny random Llama and its byte tokenizer, saved as a Hugging Face model folder."""
+    from corekv.engine.models import make_tiny_llama
+
+    folder = tmp_path_factory.mktemp("tiny-llama")
+    tiny = make_tiny_llama()
+    tiny.model.save_pretrained(folder)
+    tiny.tokenizer.save_pretrained(folder)
+    return folder
+
+
+def test_an_engine_runs_from_a_yaml_config_that_selects_its_backend_and_tier(
+        installed, tiny_model_folder, tmp_path, monkeypatch):
+    import corekv
+    from corekv.tier import make_tier
+
+    monkeypatch.delenv(AUTOLOAD_ENV, raising=False)
+    config_path = tmp_path / "cache.yaml"
+    config_path.write_text(f"""\
+model: {tiny_model_folder}
+dtype: float32
+device: cpu
+engine:
+  block_size: 16
+  num_blocks: 12
+cache:
+  backend: lfu_blocks
+  backend_options: {{frequency_cap: 4}}
+  tiers:
+    - {{type: compressed_host, size: 4MiB, level: 3}}
+""")
+    cfg = corekv.load_config(config_path)
+    assert cfg.cache.tiers[0].options == {"size": 4 * 2**20, "level": 3, "shuffle": True}
+    greedy = corekv.SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    system = "You are a terse assistant. Answer in one word. " * 2
+    with corekv.Engine.from_config(cfg) as engine:
+        backend = engine.backend
+        assert type(backend).__module__ == "corekv_example_plugins.lfu_blocks"
+        assert backend.frequency_cap == 4
+        first = engine.generate(system + "Q1", greedy)[0]
+        repeats = [engine.generate(system + "Q1", greedy)[0] for _ in range(2)]
+        assert first.num_cached_tokens == 0 and all(r.num_cached_tokens > 0 for r in repeats)
+        assert all(r.token_ids == first.token_ids for r in repeats)  # a hit changes no output
+        # NOTE: only the blocks the repeats hit count as hot: the last prompt token is always
+        # computed, so a prompt ending on a block boundary never hits its last block.
+        hot = backend.match(engine.prefix_key(first.prompt_token_ids))[:repeats[0].num_cached_tokens // 16]
+        assert hot and all(backend.hit_count(b) == 2 for b in hot)
+        for i in range(6):  # one-off prompts overflow the small pool: LRU would evict the hot prefix
+            engine.generate(f"Unrelated one-off prompt number {i} " * 3, greedy)
+        assert backend.match(engine.prefix_key(first.prompt_token_ids))[:len(hot)] == hot
+
+        # The tier the config selected, built as the engine builds tiers, round-trips real KV.
+        tier_cfg = cfg.cache.tiers[0]
+        pool = engine.kv_pool
+        spec = engine.plugin_manager.tiers()[tier_cfg.type]
+        with make_tier(spec, tier_cfg.options, block_bytes=pool.bytes_per_block,
+                       fingerprint=engine.model.fingerprint, dtype="float32",
+                       shape=pool.block_shape) as tier:
+            blocks = pool.read_blocks(hot).numpy()
+            hashes = [backend.block_hash(b) for b in hot]
+            assert tier.put(list(zip(hashes, blocks))) == len(hot)
+            out = np.zeros_like(blocks)
+            assert tier.get_into(hashes, list(out)) == [True] * len(hot)
+            assert np.array_equal(out, blocks) and tier.compression_ratio > 1.0
+        # NOTE: once the engine builds cache.tiers itself, its stats name the configured tier.
+        if engine.stats()["tiers"]:
+            assert "compressed_host" in engine.stats()["tiers"]
