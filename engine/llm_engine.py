@@ -135,12 +135,13 @@ class Engine:
         seqs, rows = self.scheduler.advance(batch)
         token_ids = self.sampler(logits[rows], [s.params for s in seqs], [s.generator for s in seqs]) if seqs else []
         finished = self.scheduler.postprocess(seqs, token_ids)
-        self.num_steps += 1
+        self.num_steps += bool(batch)
         return self._after_step(finished)
 
     @property
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished
+        """True while ``step()`` has outputs still to return (loop ``while ...: engine.step()``)."""
+        return self.scheduler.has_unfinished or bool(self._unclaimed)
 
     def add_request(self, prompt: Any, sampling_params: SamplingParams | None = None,
                     cache_salt: str | None = None, *, request_id: str | None = None) -> str:
@@ -180,8 +181,6 @@ class Engine:
         salts = per_prompt("cache_salt", cache_salt, len(prompt_list), str)
         # NOTE: every prompt is checked before any is queued, so a bad one leaves the engine idle.
         requests = [self._make_request(p, sp, salt, None) for p, sp, salt in zip(prompt_list, params_list, salts)]
-        if len({r.request_id for r in requests}) < len(requests):  # pragma: no cover - counter ids
-            raise AssertionError("duplicate request ids; this indicates a bug in Engine._make_request")
         for request, salt in zip(requests, salts):
             self._enqueue(request, salt)
         outputs: dict[str, RequestOutput] = {}
