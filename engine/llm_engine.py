@@ -309,6 +309,9 @@ class Engine:
         """Token ids of a prompt (str, token ids, or chat messages with the chat template)."""
         if not add_generation_prompt and isinstance(prompt, (list, tuple)) and prompt and all(
                 isinstance(m, Mapping) for m in prompt):
+            if getattr(self.model.tokenizer, "chat_template", None) is None:
+                raise CoreKVError("this model's tokenizer has no chat template, so chat messages cannot "
+                                  "be rendered; pass the prefix as a string or token ids")
             ids = self.model.tokenizer.apply_chat_template(list(prompt), add_generation_prompt=False,
                                                            tokenize=True)
             ids = ids["input_ids"] if hasattr(ids, "keys") else ids

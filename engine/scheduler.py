@@ -96,8 +96,10 @@ class Scheduler:
                 num_tokens = min(seq.num_uncomputed_tokens, budget)
                 batch.append(ScheduledSeq(seq, seq.num_computed_tokens, num_tokens))
                 budget -= num_tokens
+        # NOTE: a parent still prefilling will become 1 + num_pending_forks running sequences.
+        num_seqs = len(self.running) + sum(s.num_pending_forks for s in self.running)
         for seq in self._admission_order():  # then new (or preempted) sequences
-            if budget == 0 or len(self.running) + 1 + seq.num_pending_forks > self.max_num_seqs:
+            if budget == 0 or num_seqs + 1 + seq.num_pending_forks > self.max_num_seqs:
                 break
             if not self.enable_chunked_prefill and (batch or self.running):
                 # NOTE: unchunked, a prompt runs whole: in a step with room for it, or alone.
@@ -106,6 +108,7 @@ class Scheduler:
             if not self.blocks.allocate(seq):
                 break
             self._admit(seq)
+            num_seqs += 1 + seq.num_pending_forks
             num_tokens = seq.num_uncomputed_tokens
             if self.enable_chunked_prefill:
                 num_tokens = min(num_tokens, budget)

@@ -219,3 +219,9 @@ def test_config_errors_name_the_field(tiny_llama):
                model=tiny_llama)
     with pytest.raises(ConfigError, match="engine.preemption"):
         Engine(Config(model="tiny", engine=EngineConfig(num_blocks=8, preemption="swap")), model=tiny_llama)
+
+
+def test_the_progress_bar_counts_finished_requests(tiny_llama, capsys):
+    with make_engine(tiny_llama) as engine:
+        engine.generate(["a", "b", "c"], GREEDY, use_tqdm=True)
+    assert "3/3" in capsys.readouterr().err

@@ -193,3 +193,16 @@ def test_finished_sequences_free_everything_into_the_backend(backend):
         step(scheduler)
     assert scheduler.blocks.backend.num_free_blocks == 32
     assert scheduler.num_output_tokens == 25
+
+
+def test_pending_forks_count_against_max_num_seqs():
+    scheduler = make_scheduler(budget=16, max_num_seqs=4)
+    parent = make_seq(prompt(0, 20), "n3", n=3)  # prefilled over 2 steps, then 3 sequences
+    scheduler.add(parent)
+    step(scheduler)
+    scheduler.add(make_seq(prompt(100, 4), "a"))
+    scheduler.add(make_seq(prompt(200, 4), "b"))
+    while parent.num_pending_forks:
+        step(scheduler)
+        assert len(scheduler.running) + parent.num_pending_forks <= 4
+    assert len(scheduler.running) == 4 and [s.request_id for s in scheduler.waiting] == ["b"]
