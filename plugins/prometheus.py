@@ -8,6 +8,7 @@ engines in one process never mix their numbers). It is fed only by corekv's even
     exporter = exporter_for(engine)            # None without prometheus-client
     print(exporter.exposition().decode())      # the text a scrape returns
     exporter.start_http_server(9400)           # or set COREKV_PROMETHEUS_PORT=9400
+    exporter.close()                           # stops the server (also when the engine is collected)
 
 Without ``prometheus-client`` installed this plugin does nothing: the builtin entry point must
 never break corekv for users who did not ask for metrics.
@@ -161,6 +162,9 @@ def corekv_on_engine_started(engine: Any) -> None:
     # each engine reach its own exporter only: no module-level registry, nothing shared.
     exporter = PrometheusExporter(engine)
     engine.plugin_manager.register(exporter, name=EXPORTER_NAME)
+    # NOTE: there is no engine-closed hook; an HTTP server still running when the engine is
+    # garbage-collected is shut down then (call exporter.close() to stop it sooner).
+    weakref.finalize(engine, exporter.close)
     port = os.environ.get(PORT_ENV)
     if port:
         try:

@@ -161,3 +161,18 @@ def test_importing_the_plugin_does_not_import_prometheus_client():
 def test_exporter_for_rejects_what_is_not_an_engine():
     with pytest.raises(TypeError, match="expected a corekv.Engine"):
         exporter_for(object())
+
+
+def test_the_server_stops_when_its_engine_is_garbage_collected(tiny):
+    import gc
+
+    engine = make_engine(tiny)
+    exporter = exporter_for(engine)
+    port = exporter.start_http_server(0)
+    urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read()
+    engine.close()
+    del engine
+    gc.collect()
+    assert exporter._server is None
+    with pytest.raises(OSError):
+        urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read()

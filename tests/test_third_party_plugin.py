@@ -10,6 +10,7 @@ from __future__ import annotations
 import importlib
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -80,7 +81,8 @@ def test_its_own_conformance_tests_pass(installed):
                              str(installed / "tests")], capture_output=True, text=True, timeout=600,
                             cwd=installed, env=env_with_autoload())
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
-    assert " passed" in result.stdout and "TierTests" not in result.stdout  # ran, and nothing failed
+    num_passed = int(re.search(r"(\d+) passed", result.stdout).group(1))
+    assert num_passed >= 100, f"expected both conformance suites to run, got:\n{result.stdout[-2000:]}"
 
 
 @pytest.fixture(scope="module")
