@@ -133,7 +133,7 @@ class Engine:
         batch = self.scheduler.schedule()
         logits = self.runner.execute([self._chunk(item) for item in batch]) if batch else None
         seqs, rows = self.scheduler.advance(batch)
-        token_ids = self.sampler(logits[rows], [s.params for s in seqs], [s.generator for s in seqs]) if seqs else []
+        token_ids = self._sample(logits, seqs, rows)
         finished = self.scheduler.postprocess(seqs, token_ids)
         self.num_steps += bool(batch)
         return self._after_step(finished)
@@ -361,6 +361,15 @@ class Engine:
         child = parent.fork(index, make_generator(parent.params, index), self._detokenizer(request))
         request.seqs.append(child)
         return child
+
+    def _sample(self, logits, seqs: list[Sequence], rows: list[int]) -> list[int]:
+        if not seqs:
+            return []
+        # NOTE: in a pure decode step every row samples once, in order: skip the [rows] gather,
+        # which copies the whole [batch, vocab] logits.
+        if rows != list(range(logits.shape[0])):
+            logits = logits[rows]
+        return self.sampler(logits, [s.params for s in seqs], [s.generator for s in seqs])
 
     @staticmethod
     def _chunk(item: ScheduledSeq) -> ScheduledChunk:
