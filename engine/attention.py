@@ -22,6 +22,7 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from corekv.engine.kv_pool import KVPool
+from corekv.errors import CoreKVError
 
 ATTENTION_NAME = "corekv_paged"
 METADATA_KWARG = "corekv_metadata"
@@ -86,6 +87,12 @@ def paged_attention_forward(
         return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling,
                                       dropout=dropout, **kwargs)
     meta.num_layer_calls += 1
+    if kwargs.get("sliding_window") or kwargs.get("softcap") or getattr(module, "sinks", None) is not None:
+        raise CoreKVError(
+            f"{type(module).__name__} (layer {module.layer_idx}) asks for sliding-window, soft-capped or sink "
+            "attention, which corekv's paged attention does not implement; serve a model with plain causal "
+            "full attention"
+        )
     k_cache, v_cache = meta.kv_pool.layer_kv(module.layer_idx)
     _, num_heads, num_tokens, head_dim = query.shape
     num_kv_heads = key.shape[1]

@@ -247,3 +247,18 @@ def test_bfloat16_runner_tracks_hf_bfloat16(hf_attention):
     expected = torch.stack([reference_logits(loaded, hf_attention, s)[-1] for s in seqs])
     torch.testing.assert_close(logits, expected, rtol=0, atol=0.01)  # logits span ~[-0.6, 0.6]
     assert torch.equal(logits.argmax(-1), expected.argmax(-1))
+
+
+def test_sliding_window_layers_are_refused_at_run_time_too():
+    """check_architecture refuses such configs at load; if one slips through (config edited after
+    loading), the attention function refuses to run rather than attend over the whole context."""
+    from transformers import MistralConfig, MistralForCausalLM
+
+    from corekv.engine.models import make_byte_tokenizer, prepare_model
+
+    config = MistralConfig(vocab_size=320, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                           num_attention_heads=2, num_key_value_heads=1, sliding_window=None)
+    loaded = prepare_model(MistralForCausalLM(config), make_byte_tokenizer(), device="cpu")
+    loaded.model.config.sliding_window = 8
+    with pytest.raises(CoreKVError, match="sliding-window"):
+        make_runner(loaded, num_blocks=4).execute([ScheduledChunk([5, 6, 7], 0, [0])])
