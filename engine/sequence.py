@@ -126,7 +126,8 @@ class Sequence:
         return None
 
     def update_text(self, final: bool = False) -> str:
-        """Detokenize the tokens not yet seen; returns the new text (all of it when ``final``)."""
+        """Detokenize the tokens not yet seen into ``text``; returns the new text. ``final`` also
+        flushes characters the detokenizer held back (an incomplete UTF-8 sequence)."""
         if self.detokenizer is None or self._is_text_final:
             return ""
         pending = self.output_token_ids[self._num_detokenized:]
