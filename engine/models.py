@@ -81,7 +81,10 @@ class LoadedModel:
         """Token ids of a prompt: a string, token ids as is, or chat messages (``[{"role", "content"}]``,
         rendered with the tokenizer's chat template and the assistant generation prompt)."""
         if isinstance(prompt, str):
-            return list(self.tokenizer(prompt)["input_ids"])
+            ids = list(self.tokenizer(prompt)["input_ids"])
+            if not ids:
+                raise CoreKVError(f"prompt {prompt!r} encodes to no tokens; pass a non-empty prompt")
+            return ids
         if isinstance(prompt, (list, tuple)) and prompt and all(isinstance(m, dict) for m in prompt):
             if any(not {"role", "content"} <= set(m) for m in prompt):
                 raise CoreKVError(f"chat messages need 'role' and 'content' keys, got {list(prompt)!r}")
@@ -109,7 +112,7 @@ def resolve_device(device: str) -> torch.device:
     if device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if not isinstance(device, str) or not (device == "cpu" or device == "cuda" or device.startswith("cuda:")):
-        raise CoreKVError(f"device must be 'auto', 'cpu', 'cuda' or 'cuda:N', got {device!r}")
+        raise CoreKVError(f"device must be 'auto', 'cpu', 'cuda' or 'cuda:N', got {device!r}; set device: auto")
     if device.startswith("cuda") and not torch.cuda.is_available():
         raise CoreKVError(f"device {device!r} was asked for but CUDA is not available; use device: cpu or auto")
     return torch.device(device)
@@ -119,7 +122,7 @@ def resolve_dtype(dtype: str) -> torch.dtype:
     import torch
 
     if dtype not in DTYPES:
-        raise CoreKVError(f"dtype must be one of {DTYPES}, got {dtype!r}")
+        raise CoreKVError(f"dtype must be one of {DTYPES}, got {dtype!r}; set dtype: float32 (or bfloat16)")
     return getattr(torch, dtype)
 
 

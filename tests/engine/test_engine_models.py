@@ -138,6 +138,7 @@ def test_encode_prompt_accepts_text_ids_and_chat(tiny_llama):
 
 @pytest.mark.parametrize("prompt, match", [
     ([], "non-empty"),
+    ("", "encodes to no tokens"),
     (42, "non-empty"),
     ([1, 99999], "outside the vocabulary"),
     ([{"role": "user"}], "'role' and 'content'"),
