@@ -185,8 +185,9 @@ def test_smollm2_greedy_equals_hf_generate(smollm2, hf_attention):
         smollm2.encode_prompt("The three laws of thermodynamics are"),
         smollm2.encode_prompt([{"role": "system", "content": "You are a concise assistant. " * 10},
                                {"role": "user", "content": "Name two prime numbers."}]),
+        smollm2.encode_prompt("Summarise: " + "Blocks of keys and values are paged in and out of memory. " * 30),
     ]
-    max_new_tokens = 16
+    max_new_tokens = 24
     expected = []
     # NOTE: one intra-op thread for the reference: on a busy 2-core machine, generate's many tiny
     # ops under two spinning OpenMP threads were measured 30x slower than on one.
