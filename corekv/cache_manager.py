@@ -68,6 +68,8 @@ class CacheManager:
         self.queue_blocks = queue_blocks
         self.hooks = hooks  # a pluggy HookRelay (corekv_on_blocks_offloaded/loaded) or None
         self.hit_counts: Counter[BlockHash] = Counter()
+        #: hashes cached by requests that opted out of offload; dropped when evicted
+        self.opted_out: set[BlockHash] = set()
         self.counters = Counter()  # per tier: "<name>.reloaded", "<name>.offloaded"; "offload_skips"
         self._queue: queue.Queue = queue.Queue()
         self._queued_blocks = 0
@@ -133,20 +135,73 @@ class CacheManager:
     # -- offload -----------------------------------------------------------------------------
     def on_evict(self, evicted: list[EvictedBlock]) -> None:
         """Backend callback: ``evicted`` blocks' slots are about to be reused (write-back)."""
-        if self.write_policy == "write_back" and self.tiers:
-            self._offload([e.block_hash for e in evicted], [e.block_id for e in evicted])
+        if not self.tiers:
+            return
+        kept = [e for e in evicted if e.block_hash not in self.opted_out]
+        if self.opted_out:
+            self.opted_out.difference_update(e.block_hash for e in evicted)
+        if self.write_policy == "write_back" and kept:
+            self._offload([e.block_hash for e in kept], [e.block_id for e in kept])
 
-    def on_cached(self, key: PrefixKey, block_ids: Sequence[int], start: int) -> None:
-        """The engine cached ``key``'s blocks ``start ..`` in ``block_ids[start:]`` (write-through)."""
-        if self.write_policy == "write_through" and self.tiers and start < len(block_ids):
-            self._offload(key.block_hashes[start:len(block_ids)], list(block_ids[start:]))
+    def on_cached(self, key: PrefixKey, block_ids: Sequence[int], start: int, *, offload: bool = True) -> None:
+        """The engine cached ``key``'s blocks ``start ..`` in ``block_ids[start:]`` (write-through).
 
-    def flush(self, hashes_and_ids: Sequence[tuple[BlockHash, int]] = ()) -> None:
-        """Offload the given cached blocks (e.g. at shutdown) and wait for every queued write."""
-        if hashes_and_ids and self.tiers:
-            self._offload([h for h, _ in hashes_and_ids], [b for _, b in hashes_and_ids], force=True)
+        :param offload: False for a request that opted out: its blocks are kept off the tiers
+            (now, and at write-back, until they leave the device).
+        """
+        if not self.tiers or start >= len(block_ids):
+            return
+        hashes = key.block_hashes[start:len(block_ids)]
+        if not offload:
+            self.opted_out.update(hashes)
+        elif self.write_policy == "write_through":
+            self._offload(list(hashes), list(block_ids[start:]))
+
+    def flush(self, hashes_and_ids: Sequence[tuple[BlockHash, int]] = (), *,
+              tiers: Sequence[Tier] | None = None) -> None:
+        """Offload the given cached blocks to ``tiers`` (default: all; e.g. the persistent ones at
+        shutdown) and wait for every queued write. Forced: no ``offload_min_hits`` filter, and
+        the queue bound is kept by writing in batches of ``queue_blocks``."""
+        targets = self.tiers if tiers is None else list(tiers)
+        items = [(h, b) for h, b in hashes_and_ids if h not in self.opted_out]
+        if items and targets:
+            for i in range(0, len(items), self.queue_blocks):
+                batch = items[i:i + self.queue_blocks]
+                self._enqueue([h for h, _ in batch], [b for _, b in batch], tiers=targets)
+                self._queue.join()
         if self._worker is not None:
             self._queue.join()
+
+    # -- swap ---------------------------------------------------------------------------------
+    def swap_out(self, tier_index: int, hashes: Sequence[BlockHash], block_ids: Sequence[int]) -> int:
+        """Write blocks to tier ``tier_index`` now (swap preemption: the slots are freed next).
+
+        :returns: how many of them that tier holds afterwards (stored now or already there).
+        """
+        if not hashes:
+            return 0
+        tier = self.tiers[tier_index]
+        present = _safe(lambda: tier.exists(list(hashes)), 0, tier, "exists")
+        todo = list(range(present, len(hashes)))
+        if not todo:
+            return len(hashes)
+        snapshot = self.kv_pool.read_blocks([block_ids[i] for i in todo]).to("cpu")
+        payload = snapshot.contiguous().view(torch.uint8).reshape(len(todo), -1).numpy()
+        stored = _safe(lambda: tier.put([(hashes[i], payload[j]) for j, i in enumerate(todo)]), 0, tier, "put")
+        self.counters[f"{tier.name}.swapped_out"] += stored
+        return present + stored
+
+    def load_private(self, tier_index: int, key: BlockHash, block_id: int) -> bool:
+        """Load one block stored under a private (swap) key into ``block_id``; False on a miss."""
+        tier = self.tiers[tier_index]
+        ok = self._load_into(tier, [key], [block_id])[0]
+        if ok:
+            self.counters[f"{tier.name}.swapped_in"] += 1
+        return ok
+
+    def delete_private(self, tier_index: int, key: BlockHash) -> None:
+        tier = self.tiers[tier_index]
+        _safe(lambda: tier.delete([key]), None, tier, "delete")
 
     def close(self) -> None:
         """Finish queued writes, stop the worker and close the tiers."""
@@ -165,6 +220,17 @@ class CacheManager:
             entry["reloaded_blocks"] = self.counters[f"{tier.name}.reloaded"]
             entry["offloaded_blocks"] = self.counters[f"{tier.name}.offloaded"]
             entry["offload_skips"] = self.counters[f"{tier.name}.offload_skips"]
+            entry["swapped_out_blocks"] = self.counters[f"{tier.name}.swapped_out"]
+            entry["swapped_in_blocks"] = self.counters[f"{tier.name}.swapped_in"]
+            # the summary names: blocks reloaded/offloaded, skipped writes (tier full or queue
+            # full), bytes moved both ways
+            entry["reloads"] = entry["reloaded_blocks"]
+            entry["offloads"] = entry["offloaded_blocks"]
+            entry["skips"] = entry.get("skips", 0) + entry["offload_skips"]
+            entry["bytes"] = entry.get("bytes_read", 0) + entry.get("bytes_written", 0)
+            entry.setdefault("hits", 0)
+            entry.setdefault("misses", 0)
+            entry.setdefault("faults", 0)
             out[tier.name] = entry
         return out
 

@@ -3,14 +3,17 @@
 The prefix-cache backend owns residency (which blocks are free, cached, evictable, pinned); this
 module decides which blocks a sequence holds: the matched prefix, fresh blocks for the rest,
 a new block when decoding crosses a block boundary, and a private copy of a block shared with a
-forked sibling before writing into it (copy-on-write).
+forked sibling before writing into it (copy-on-write). With storage tiers (a
+:class:`corekv.cache_manager.CacheManager`), admission continues the device match down the tiers
+and reloads the hits; swap preemption parks a preempted sequence's blocks in the host tier.
 """
 from __future__ import annotations
 
+import hashlib
 from collections import Counter
 
 from corekv.backend import PrefixCacheBackend
-from corekv.engine.sequence import Sequence
+from corekv.engine.sequence import Sequence, SwapState
 
 __all__ = ["BlockManager"]
 
@@ -37,13 +40,20 @@ class BlockManager:
     every fork share here treats full and partial blocks alike, with or without prefix caching.
     """
 
-    def __init__(self, backend: PrefixCacheBackend, kv_pool, *, enable_prefix_caching: bool = True):
+    def __init__(self, backend: PrefixCacheBackend, kv_pool, *, enable_prefix_caching: bool = True,
+                 cache_manager=None, swap_tier: int | None = None):
         self.backend = backend
         self.kv_pool = kv_pool
         self.block_size = backend.block_size
         self.enable_prefix_caching = enable_prefix_caching
+        #: a CacheManager over the storage tiers, or None (device pool only)
+        self.cache_manager = cache_manager
+        #: index of the tier that swap preemption parks blocks in (None: recompute preemption)
+        self.swap_tier = swap_tier
         self.shared_refs: Counter[int] = Counter()
         self.num_cow_copies = 0
+        self.num_swapped_out_blocks = 0
+        self.num_swapped_in_blocks = 0
 
     # -- admission ---------------------------------------------------------------------------
     def match(self, seq: Sequence) -> list[int]:
@@ -54,6 +64,10 @@ class BlockManager:
 
     def allocate(self, seq: Sequence) -> bool:
         """Give a waiting ``seq`` its matched prefix plus fresh blocks for all its tokens.
+
+        With tiers, the prefix continues down the tiers after the device match: the hits are
+        loaded (one batch per tier run) into the first fresh blocks and cached, so they count as
+        computed. A sequence that swap preemption parked gets its partial last block back too.
 
         :returns: False (and no change) if the pool cannot supply the fresh blocks now.
         """
@@ -67,7 +81,64 @@ class BlockManager:
         seq.block_table = hit + fresh
         seq.num_computed_tokens = len(hit) * self.block_size
         seq.num_cached_blocks = len(hit)
+        by_tier = {"device": len(hit) * self.block_size}
+        manager = self.cache_manager
+        if manager is not None and manager.tiers and (self.enable_prefix_caching or seq.swap is not None):
+            manager.note_hits(seq.key, len(hit))
+            loaded = self._reload(seq, hit, fresh)
+            for name, num in loaded.items():
+                by_tier[name] = by_tier.get(name, 0) + num * self.block_size
+        if seq.num_cached_tokens is None:  # first admission: what the output reports
+            seq.cached_tokens_by_tier = by_tier
         return True
+
+    def _reload(self, seq: Sequence, hit: list[int], fresh: list[int]) -> dict[str, int]:
+        """Load ``seq``'s blocks after the device ``hit`` from the tiers into ``fresh``."""
+        manager = self.cache_manager
+        max_blocks = (seq.num_tokens - 1) // self.block_size
+        runs = manager.lookup(seq.key, len(hit), max_blocks)
+        loaded = manager.load(seq.key, len(hit), runs, fresh) if runs else {}
+        num_loaded = sum(loaded.values())
+        if num_loaded:
+            num_full = len(hit) + num_loaded
+            if self.enable_prefix_caching:
+                # NOTE: cached now, so the reloaded blocks are hittable by the next request and
+                # are offered for write-back like any other cached block.
+                self.backend.cache(seq.key, seq.block_table[:num_full])
+                seq.num_cached_blocks = num_full
+            seq.num_computed_tokens = num_full * self.block_size
+        swap, seq.swap = seq.swap, None
+        if swap is not None and swap.private_key is not None:
+            num_full = len(hit) + num_loaded
+            if num_full == swap.num_full_blocks:
+                block_id = seq.block_table[num_full]
+                if manager.load_private(self.swap_tier, swap.private_key, block_id):
+                    seq.num_computed_tokens = swap.num_computed_tokens
+                    self.num_swapped_in_blocks += 1
+            manager.delete_private(self.swap_tier, swap.private_key)
+        return loaded
+
+    def swap_out(self, seq: Sequence) -> None:
+        """Before a preempted ``seq`` frees its blocks: park their KV in the swap tier.
+
+        Full blocks go under their chain hashes (any request can reload them); the partial last
+        block goes under a private key only this sequence's re-admission knows.
+        """
+        manager = self.cache_manager
+        if manager is None or self.swap_tier is None or not seq.block_table:
+            return
+        num_computed = seq.num_computed_tokens
+        num_full = num_computed // self.block_size
+        hashes = seq.key.block_hashes[:num_full]
+        self.num_swapped_out_blocks += manager.swap_out(self.swap_tier, list(hashes), seq.block_table[:num_full])
+        private_key = None
+        if num_computed % self.block_size:
+            private_key = _private_key(seq, num_full, num_computed)
+            if manager.swap_out(self.swap_tier, [private_key], [seq.block_table[num_full]]):
+                self.num_swapped_out_blocks += 1
+            else:
+                private_key = None
+        seq.swap = SwapState(num_full, num_computed, private_key)
 
     # -- decoding ----------------------------------------------------------------------------
     def append_slot(self, seq: Sequence) -> bool:
@@ -99,6 +170,9 @@ class BlockManager:
         num_full = seq.num_computed_tokens // self.block_size
         if self.enable_prefix_caching and num_full > seq.num_cached_blocks:
             self.backend.cache(seq.key, seq.block_table[:num_full])
+            if self.cache_manager is not None:
+                self.cache_manager.on_cached(seq.key, seq.block_table[:num_full], seq.num_cached_blocks,
+                                             offload=seq.offload)
             seq.num_cached_blocks = num_full
 
     # -- sharing and release -----------------------------------------------------------------
@@ -128,3 +202,9 @@ class BlockManager:
         else:
             self.shared_refs[block_id] = count - 1
         return True
+
+
+def _private_key(seq: Sequence, block_index: int, num_computed: int) -> bytes:
+    """A swap key for ``seq``'s partial block: never equal to a chain hash, unique per sequence."""
+    text = f"corekv-swap|{seq.request_id}|{seq.index}|{block_index}|{num_computed}|{id(seq)}"
+    return hashlib.blake2b(seq.key.namespace + text.encode(), digest_size=16).digest()

@@ -15,10 +15,12 @@ import sys
 from collections.abc import Iterator, Mapping
 from typing import Any
 
+from corekv.cache_manager import CacheManager
 from corekv.config import Config
 from corekv.errors import ConfigError, CoreKVError
 from corekv.hashing import PrefixKey, chain_seed
 from corekv.plugin import make_plugin_manager
+from corekv.tier import make_tier
 from corekv.engine.block_manager import BlockManager
 from corekv.engine.detokenizer import IncrementalDetokenizer
 from corekv.engine.kv_pool import KVPool
@@ -53,9 +55,10 @@ class Engine:
                             "from corekv.engine.models.load_model, or None to load config.model")
         self.config = config
         ecfg = config.engine
-        if ecfg.preemption != "recompute":
-            raise ConfigError(f"engine.preemption: {ecfg.preemption!r} is not available yet (swap arrives "
-                              "with the storage tiers); use preemption: recompute")
+        if ecfg.preemption == "swap" and not any(t.type == "host" for t in config.cache.tiers):
+            raise ConfigError("engine.preemption: 'swap' parks preempted sequences' KV in a host tier, but "
+                              f"cache.tiers has none (types: {[t.type for t in config.cache.tiers]}); add "
+                              "`- {type: host, size: 1GiB}` to cache.tiers or use preemption: recompute")
         self.plugin_manager = make_plugin_manager([*config.plugins, *plugins])
         self.model = model or load_model(config.model, dtype=config.dtype, device=config.device,
                                          plugin_manager=self.plugin_manager)
@@ -67,13 +70,18 @@ class Engine:
         self.kv_pool = KVPool(m.num_layers, num_blocks, ecfg.block_size, m.num_kv_heads, m.head_dim,
                               m.dtype, m.device)
         self.backend = self._make_backend(num_blocks)
+        self.cache_manager = self._make_cache_manager()
         self.runner = ModelRunner(m, self.kv_pool)
         self.sampler = Sampler()
         # NOTE: chunked prefill is on unless the config says otherwise (EngineConfig may not carry
         # the switch; a config subclass or a later version can).
         self.enable_chunked_prefill = bool(getattr(ecfg, "enable_chunked_prefill", True))
+        swap_tier = None
+        if ecfg.preemption == "swap":
+            swap_tier = next(i for i, t in enumerate(config.cache.tiers) if t.type == "host")
         self.blocks = BlockManager(self.backend, self.kv_pool,
-                                   enable_prefix_caching=ecfg.enable_prefix_caching)
+                                   enable_prefix_caching=ecfg.enable_prefix_caching,
+                                   cache_manager=self.cache_manager, swap_tier=swap_tier)
         self.scheduler = Scheduler(self.blocks, max_num_seqs=ecfg.max_num_seqs,
                                    max_num_batched_tokens=ecfg.max_num_batched_tokens,
                                    scheduling=ecfg.scheduling, enable_chunked_prefill=self.enable_chunked_prefill,
@@ -113,12 +121,29 @@ class Engine:
         self.close()
 
     def close(self) -> None:
-        """Abort what is in flight and release the KV pool. Idempotent."""
+        """Abort what is in flight, finish the tiers' writes and release the KV pool. Idempotent.
+
+        Persistent tiers also receive every block still cached on the device, so a new process
+        with the same config finds them.
+        """
         if self._is_closed:
             return
         for request_id in list(self._requests):
             self.abort(request_id)
         self._is_closed = True
+        manager = self.cache_manager
+        if manager is not None:
+            try:
+                persistent = [t for t in manager.tiers if t.is_persistent]
+                if persistent:
+                    cached = [(h, b) for b in range(self.backend.num_blocks)
+                              if (h := self.backend.block_hash(b)) is not None]
+                    manager.flush(cached, tiers=persistent)
+                else:
+                    manager.flush()
+            finally:
+                self.backend.on_evict = None
+                manager.close()
         self._requests.clear()
         self.runner = self.kv_pool = self.blocks.kv_pool = None
 
@@ -144,13 +169,17 @@ class Engine:
         return self.scheduler.has_unfinished or bool(self._unclaimed)
 
     def add_request(self, prompt: Any, sampling_params: SamplingParams | None = None,
-                    cache_salt: str | None = None, *, request_id: str | None = None) -> str:
+                    cache_salt: str | None = None, *, request_id: str | None = None,
+                    offload: bool = True) -> str:
         """Queue one request (``step`` returns its output when done); returns its id.
+
+        :param offload: False keeps this request's blocks off the storage tiers (it still reads
+            them); e.g. a one-off prompt that should not displace shared prefixes on disk.
 
         :raises RequestRejectedError: if it could never be served (too long for the KV pool, the
             model's context, or — without chunked prefill — one step's token budget).
         """
-        request = self._make_request(prompt, sampling_params, cache_salt, request_id)
+        request = self._make_request(prompt, sampling_params, cache_salt, request_id, offload=offload)
         self._enqueue(request, cache_salt)
         return request.request_id
 
@@ -164,7 +193,8 @@ class Engine:
 
     # -- the public surface ------------------------------------------------------------------
     def generate(self, prompts: Any, sampling_params: SamplingParams | list | None = None,
-                 cache_salt: str | list | None = None, *, use_tqdm: bool | None = None) -> list[RequestOutput]:
+                 cache_salt: str | list | None = None, *, use_tqdm: bool | None = None,
+                 offload: bool | list = True) -> list[RequestOutput]:
         """Run prompts to completion, batched; returns one :class:`RequestOutput` per prompt, in order.
 
         :param prompts: a str, token ids (``list[int]``), chat messages (``[{"role", "content"}]``,
@@ -175,12 +205,16 @@ class Engine:
         :param cache_salt: the tenant's salt (prefixes are shared only within one salt), one for
             all prompts or one per prompt.
         :param use_tqdm: show a progress bar; default: only when stderr is a terminal.
+        :param offload: False keeps the prompts' blocks off the storage tiers (per-request
+            opt-out; they still reload what the tiers hold); one bool for all or one per prompt.
         """
         prompt_list = as_prompt_list(prompts)
         params_list = per_prompt("sampling_params", sampling_params, len(prompt_list), SamplingParams)
         salts = per_prompt("cache_salt", cache_salt, len(prompt_list), str)
+        offloads = per_prompt("offload", offload, len(prompt_list), bool)
         # NOTE: every prompt is checked before any is queued, so a bad one leaves the engine idle.
-        requests = [self._make_request(p, sp, salt, None) for p, sp, salt in zip(prompt_list, params_list, salts)]
+        requests = [self._make_request(p, sp, salt, None, offload=o)
+                    for p, sp, salt, o in zip(prompt_list, params_list, salts, offloads)]
         for request, salt in zip(requests, salts):
             self._enqueue(request, salt)
         outputs: dict[str, RequestOutput] = {}
@@ -280,8 +314,10 @@ class Engine:
             "hit_rate": reused / prompt if prompt else 0.0,
             "tokens_computed": sched.num_computed_tokens,
             "output_tokens": sched.num_output_tokens,
+            "num_swapped_out_blocks": self.blocks.num_swapped_out_blocks,
+            "num_swapped_in_blocks": self.blocks.num_swapped_in_blocks,
             "backend": backend.stats(),
-            "tiers": {},
+            "tiers": self.cache_manager.stats() if self.cache_manager is not None else {},
         }
 
     # -- helpers -----------------------------------------------------------------------------
@@ -296,6 +332,42 @@ class Engine:
                               f"(known: {sorted(specs)}); {hint}")
         return spec.factory(num_blocks, self.block_size, max_pinned_fraction=cache.max_pinned_fraction,
                             **cache.backend_options)
+
+    def _make_cache_manager(self) -> CacheManager | None:
+        """The tiers of ``cache.tiers``, in order, under one :class:`CacheManager` (None without)."""
+        cache = self.config.cache
+        if not cache.tiers:
+            return None
+        specs = self.plugin_manager.tiers()
+        m, pool = self.model, self.kv_pool
+        try:
+            fingerprint = bytes.fromhex(m.fingerprint)
+        except ValueError:
+            fingerprint = m.fingerprint.encode()
+        tiers = []
+        try:
+            for i, tier_cfg in enumerate(cache.tiers):
+                spec = specs.get(tier_cfg.type)
+                if spec is None:
+                    raise ConfigError(f"cache.tiers[{i}].type: no tier named {tier_cfg.type!r} is registered "
+                                      f"(known: {sorted(specs)}); install the plugin that provides it")
+                tiers.append(make_tier(spec, tier_cfg.options, block_bytes=pool.bytes_per_block,
+                                       fingerprint=fingerprint, dtype=str(m.dtype).removeprefix("torch."),
+                                       shape=pool.block_shape, name=tier_cfg.name or tier_cfg.type))
+        except BaseException:
+            for tier in tiers:
+                tier.close()
+            raise
+        manager = CacheManager(tiers, pool, write_policy=cache.write_policy,
+                               offload_min_hits=cache.offload_min_hits,
+                               queue_blocks=cache.offload_queue_blocks, hooks=self.plugin_manager.hook)
+        try:
+            self.backend.on_evict = manager.on_evict
+        except ValueError as e:
+            manager.close()
+            raise ConfigError(f"cache.tiers needs a backend that reports evicted blocks' hashes: {e} "
+                              "(for radix: set cache.backend_options.track_hashes: true)") from e
+        return manager
 
     def prefix_key(self, token_ids: list[int], cache_salt: str | None = None) -> PrefixKey:
         """The :class:`PrefixKey` under which this engine caches ``token_ids`` for ``cache_salt``."""
@@ -319,9 +391,13 @@ class Engine:
         return self.model.encode_prompt(prompt)
 
     def _make_request(self, prompt: Any, params: SamplingParams | None, cache_salt: str | None,
-                      request_id: str | None, *, prompt_token_ids: list[int] | None = None) -> Request:
+                      request_id: str | None, *, prompt_token_ids: list[int] | None = None,
+                      offload: bool = True) -> Request:
         if self._is_closed:
             raise CoreKVError("this engine is closed; build a new one with Engine.from_config")
+        if not isinstance(offload, bool):
+            raise TypeError(f"offload must be True or False, got {offload!r}; pass False to keep this "
+                            "request's blocks off the storage tiers")
         params = SamplingParams() if params is None else params
         if not isinstance(params, SamplingParams):
             raise TypeError(f"sampling_params must be a corekv.SamplingParams (or None), got "
@@ -341,13 +417,14 @@ class Engine:
                            max_num_batched_tokens=self.config.engine.max_num_batched_tokens,
                            enable_chunked_prefill=self.enable_chunked_prefill,
                            max_num_seqs=self.config.engine.max_num_seqs)
-        return Request(request_id, prompt, token_ids, params)
+        return Request(request_id, prompt, token_ids, params, offload=offload)
 
     def _enqueue(self, request: Request, cache_salt: str | None) -> None:
         params = request.params
         seq = Sequence(request.request_id, request.prompt_token_ids, params,
                        self.prefix_key(request.prompt_token_ids, cache_salt),
                        generator=make_generator(params, 0), detokenizer=self._detokenizer(request))
+        seq.offload = request.offload
         request.seqs.append(seq)
         self._requests[request.request_id] = request
         self.scheduler.add(seq)

@@ -31,6 +31,8 @@ class Request:
     seqs: list[Sequence] = field(default_factory=list)
     num_finished: int = 0
     is_internal: bool = False
+    #: False: the request's blocks are never written to a storage tier (reads still hit them)
+    offload: bool = True
 
 
 def _is_single_prompt(value: Any) -> bool:
@@ -107,10 +109,11 @@ def make_output(request: Request) -> RequestOutput:
                                             seq.finish_reason, seq.tpot_s))
     head = request.seqs[0]
     num_cached = head.num_cached_tokens or 0
+    by_tier = dict(head.cached_tokens_by_tier) or {"device": num_cached}
     return RequestOutput(
         request_id=request.request_id, prompt=request.prompt,
         prompt_token_ids=list(request.prompt_token_ids), num_cached_tokens=num_cached,
-        cached_tokens_by_tier={"device": num_cached}, ttft_s=head.ttft_s, outputs=completions,
+        cached_tokens_by_tier=by_tier, ttft_s=head.ttft_s, outputs=completions,
         num_preemptions=sum(s.num_preemptions for s in request.seqs))
 
 

@@ -195,7 +195,9 @@ class Scheduler:
         return True
 
     def _preempt(self, seq: Sequence) -> None:
-        """Recompute preemption: free the blocks (cached full ones stay hittable), requeue first."""
+        """Free the blocks (cached full ones stay hittable) and requeue first; with swap
+        preemption the blocks' KV is parked in the swap tier first and reloaded at re-admission."""
+        self.blocks.swap_out(seq)
         self.blocks.free(seq)
         self.running.remove(seq)
         seq.status = SequenceStatus.WAITING

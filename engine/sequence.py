@@ -9,13 +9,26 @@ from __future__ import annotations
 import enum
 import time
 from collections.abc import Sequence as SequenceABC
+from dataclasses import dataclass
+
 import torch
 
 from corekv.hashing import PrefixKey
 from corekv.engine.detokenizer import IncrementalDetokenizer, find_stop
 from corekv.engine.sampling import SamplingParams
 
-__all__ = ["Sequence", "SequenceStatus"]
+__all__ = ["Sequence", "SequenceStatus", "SwapState"]
+
+
+@dataclass(frozen=True)
+class SwapState:
+    """Where swap preemption left a sequence's KV: its first ``num_full_blocks`` blocks under
+    their chain hashes and, when ``private_key`` is set, the partial block after them (holding
+    tokens up to ``num_computed_tokens``) under that key, all in the swap tier."""
+
+    num_full_blocks: int
+    num_computed_tokens: int
+    private_key: bytes | None
 
 
 class SequenceStatus(enum.Enum):
@@ -56,6 +69,12 @@ class Sequence:
         self.num_cached_blocks = 0
         #: prompt tokens reused at the first admission (what the output reports)
         self.num_cached_tokens: int | None = None
+        #: those tokens by where they came from: ``{"device": n, "<tier name>": m, ...}``
+        self.cached_tokens_by_tier: dict[str, int] = {}
+        #: False: this request's blocks are never written to a storage tier (per-request opt-out)
+        self.offload = True
+        #: set while swap-preempted (see :class:`SwapState`); cleared at re-admission
+        self.swap: SwapState | None = None
         self.num_preemptions = 0
         #: completions still to fork off this one once its prompt is computed (``n - 1``, then 0)
         self.num_pending_forks = params.n - 1
@@ -164,6 +183,8 @@ class Sequence:
         child.num_computed_tokens = self.num_computed_tokens
         child.num_cached_blocks = self.num_cached_blocks
         child.num_cached_tokens = self.num_cached_tokens
+        child.cached_tokens_by_tier = dict(self.cached_tokens_by_tier)
+        child.offload = self.offload
         child.num_pending_forks = 0
         child.first_token_time = self.first_token_time
         return child
