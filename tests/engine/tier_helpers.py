@@ -47,11 +47,11 @@ def make_engine(model, tiers=(), **kwargs) -> Engine:
     return Engine(make_config(tiers, **kwargs), model=model)
 
 
-def config_mapping(model_folder: str, tier: TierConfig, **engine) -> dict:
+def config_mapping(model_folder: str, tier: TierConfig, *, write_policy: str = "write_back", **engine) -> dict:
     """The same engine config as a mapping, for :mod:`tier_worker` processes."""
     return {"model": model_folder, "dtype": "float32", "device": "cpu",
             "engine": {"num_blocks": 12, "block_size": BLOCK, "max_num_batched_tokens": 128, **engine},
-            "cache": {"backend": "radix",
+            "cache": {"backend": "radix", "write_policy": write_policy,
                       "tiers": [{"type": tier.type, "name": tier.name, **tier.options}]}}
 
 

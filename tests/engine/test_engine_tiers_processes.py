@@ -1,0 +1,114 @@
+"""Tiers across processes: warm in one process, exit, and a new one reloads from LMDB (and from a
+real redis-server) with zero recomputed prefix tokens; two processes sharing one LMDB; a process
+SIGKILLed during write-back leaves a store the next start reads consistently."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from corekv.engine.models import load_model
+from tier_helpers import BLOCK, FILLERS, GREEDY, PROMPT, config_mapping, make_engine, tier_config
+
+WORKER = str(Path(__file__).with_name("tier_worker.py"))
+
+
+@pytest.fixture(scope="module")
+def model_folder(tiny_llama, tmp_path_factory):
+    """The tiny Llama saved with save_pretrained, so separate processes load identical weights."""
+    folder = tmp_path_factory.mktemp("tiny-llama")
+    tiny_llama.model.save_pretrained(folder)
+    tiny_llama.tokenizer.save_pretrained(folder)
+    return str(folder)
+
+
+@pytest.fixture(scope="module")
+def saved_model(model_folder):
+    return load_model(model_folder, dtype="float32", device="cpu")
+
+
+@pytest.fixture
+def redis_server(tmp_path):
+    from redis_server import RedisServer
+
+    server = RedisServer(tmp_path).start()
+    yield server
+    server.stop()
+
+
+def start_worker(model_folder, tier, prompts, rounds=1, write_policy="write_back", **engine) -> subprocess.Popen:
+    args = {"config": config_mapping(model_folder, tier, write_policy=write_policy, **engine), "prompts": prompts, "rounds": rounds,
+            "max_tokens": GREEDY.max_tokens}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    return subprocess.Popen([sys.executable, WORKER, json.dumps(args)], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=env)
+
+
+def run_worker(model_folder, tier, prompts, **kwargs) -> list:
+    child = start_worker(model_folder, tier, prompts, **kwargs)
+    out, err = child.communicate(timeout=300)
+    assert child.returncode == 0, err[-3000:]
+    lines = [json.loads(line) for line in out.splitlines() if line.startswith(("{", '"'))]
+    assert lines[-1] == "closed", out
+    return lines[:-1]
+
+
+def no_tier_outputs(model, prompts) -> list[list[int]]:
+    with make_engine(model, num_blocks=64) as engine:
+        return [engine.generate(p, GREEDY)[0].token_ids for p in prompts]
+
+
+@pytest.mark.parametrize("kind", ["lmdb", "redis"])
+def test_a_new_process_reloads_with_zero_recomputed_prefix_tokens(model_folder, saved_model, kind, tmp_path,
+                                                                  request):
+    url = request.getfixturevalue("redis_server").url if kind == "redis" else None
+    tier = tier_config(kind, tmp_path, url)
+    [first] = run_worker(model_folder, tier, [PROMPT])
+    [second] = run_worker(model_folder, tier, [PROMPT])
+    num_prompt = len(saved_model.encode_prompt(PROMPT))
+    cached = (num_prompt - 1) // BLOCK * BLOCK  # every full block (the last token is always computed)
+    assert first["by_tier"] == {"device": 0} or first["by_tier"].get(kind, 0) == 0
+    assert second["by_tier"] == {"device": 0, kind: cached}
+    # computed: the prompt's partial last block, then one token per decode step
+    assert second["computed"] == num_prompt - cached + GREEDY.max_tokens - 1
+    assert second["tokens"] == first["tokens"] == no_tier_outputs(saved_model, [PROMPT])[0]
+
+
+def test_two_processes_share_one_lmdb(model_folder, saved_model, tmp_path):
+    tier = tier_config("lmdb", tmp_path)
+    halves = [[PROMPT, FILLERS[0]], [FILLERS[1], FILLERS[2]]]
+    children = [start_worker(model_folder, tier, half) for half in halves]
+    for child in children:
+        out, err = child.communicate(timeout=300)
+        assert child.returncode == 0, err[-3000:]
+    prompts = halves[0] + halves[1]
+    with make_engine(saved_model, [tier], num_blocks=64) as engine:
+        outputs = [engine.generate(p, GREEDY)[0] for p in prompts]
+        assert engine.stats()["tiers"]["lmdb"]["faults"] == 0
+    for prompt, output in zip(prompts, outputs):
+        expected = (len(saved_model.encode_prompt(prompt)) - 1) // BLOCK * BLOCK
+        assert output.cached_tokens_by_tier == {"device": 0, "lmdb": expected}, prompt
+    assert [o.token_ids for o in outputs] == no_tier_outputs(saved_model, prompts)
+
+
+def test_sigkill_during_write_back_leaves_a_consistent_store(model_folder, saved_model, tmp_path):
+    tier = tier_config("lmdb", tmp_path, sync=True)
+    prompts = [PROMPT, *FILLERS]
+    # write-through and a small pool: every step writes, so the kill lands amid writes
+    child = start_worker(model_folder, tier, prompts, rounds=50, num_blocks=12,
+                         write_policy="write_through")
+    for _ in range(7):
+        line = child.stdout.readline()
+        assert line, f"the worker died: {child.stderr.read()[-3000:]}"
+    os.kill(child.pid, signal.SIGKILL)
+    child.wait(timeout=30)
+    with make_engine(saved_model, [tier]) as engine:
+        outputs = [engine.generate(p, GREEDY)[0] for p in prompts]
+        stats = engine.stats()["tiers"]["lmdb"]
+    assert stats["faults"] == 0 and stats["reloads"] > 0
+    assert [o.token_ids for o in outputs] == no_tier_outputs(saved_model, prompts)
