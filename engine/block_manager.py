@@ -140,6 +140,12 @@ class BlockManager:
                 private_key = None
         seq.swap = SwapState(num_full, num_computed, private_key)
 
+    def drop_swap(self, seq: Sequence) -> None:
+        """``seq`` finished while swapped out: delete its private partial block from the tier."""
+        swap, seq.swap = seq.swap, None
+        if swap is not None and swap.private_key is not None and self.cache_manager is not None:
+            self.cache_manager.delete_private(self.swap_tier, swap.private_key)
+
     # -- decoding ----------------------------------------------------------------------------
     def append_slot(self, seq: Sequence) -> bool:
         """Make sure the next token's slot is in a block ``seq`` may write.

@@ -76,3 +76,22 @@ def test_no_cross_salt_hit_in_any_tier(tiny_llama, kind, tmp_path, request):
             assert own.cached_tokens_by_tier.get(kind.split("-")[0], 0) > 0, own.cached_tokens_by_tier
 
         check()
+
+
+def test_a_request_aborted_while_swapped_out_leaves_no_private_block(tiny_llama, tmp_path):
+    with make_engine(tiny_llama, [tier_config("host", tmp_path)], num_blocks=SWAP_POOL, preemption="swap") as engine:
+        ids = [engine.add_request(p, LONG) for p in SWAP_PROMPTS]
+        swapped, outputs = None, {}
+        while swapped is None and engine.has_unfinished_requests:
+            outputs.update((o.request_id, o) for o in engine.step())
+            swapped = next((s for s in engine.scheduler.waiting if s.swap and s.swap.private_key), None)
+        assert swapped is not None, "no sequence was swapped out with a partial block; adjust the prompts"
+        host = engine.cache_manager.tiers[0]
+        assert host.exists([swapped.swap.private_key]) == 1
+        key = swapped.swap.private_key
+        engine.abort(swapped.request_id)
+        while engine.has_unfinished_requests:
+            outputs.update((o.request_id, o) for o in engine.step())
+        assert outputs[swapped.request_id].finish_reason == "abort"
+        assert set(outputs) == set(ids)
+        assert host.exists([key]) == 0
