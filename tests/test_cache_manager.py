@@ -145,3 +145,56 @@ def test_a_closed_tier_is_a_miss_not_an_error():
     manager.on_evict([EvictedBlock(key.block_hashes[0], 0)])
     manager.flush()
     manager.close()
+
+
+def test_opted_out_blocks_stay_off_the_tiers_until_evicted():
+    pool = make_pool()
+    key = make_key(2)
+    evicted = [EvictedBlock(h, b) for h, b in zip(key.block_hashes, [0, 1])]
+    for policy in ("write_back", "write_through"):
+        host = HostTier(size=8 * 4096, **tier_kwargs(pool))
+        manager = CacheManager([host], pool, write_policy=policy)
+        manager.on_cached(key, [0, 1], 0, offload=False)
+        manager.on_evict(evicted)
+        manager.flush()
+        assert host.exists(key.block_hashes) == 0, policy
+        assert not manager.opted_out, "an evicted block's opt-out is forgotten with it"
+        manager.on_cached(key, [0, 1], 0)  # cached again by a request that opted in
+        manager.on_evict(evicted)
+        manager.flush()
+        assert host.exists(key.block_hashes) == 2, policy
+        manager.close()
+
+
+def test_flush_to_chosen_tiers_writes_more_blocks_than_the_queue_holds(tmp_path):
+    pool = make_pool(8)
+    host = HostTier(size=8 * 4096, **tier_kwargs(pool))
+    disk = LMDBTier(path=str(tmp_path / "kv"), size=1 << 22, **tier_kwargs(pool))
+    manager = CacheManager([host, disk], pool, queue_blocks=2)
+    key = make_key(6)
+    manager.flush(list(zip(key.block_hashes, range(6))), tiers=[disk])
+    assert disk.exists(key.block_hashes) == 6 and host.exists(key.block_hashes) == 0
+    assert manager.stats()["lmdb"]["offloads"] == 6 and manager.stats()["lmdb"]["skips"] == 0
+    manager.close()
+
+
+def test_swap_out_and_a_private_block_come_back_byte_identical():
+    pool = make_pool()
+    host = HostTier(size=8 * 4096, **tier_kwargs(pool))
+    manager = CacheManager([host], pool)
+    key = make_key(2)
+    private = b"private-swap-key"
+    original = pool.read_blocks([0, 1, 2]).clone()
+    assert manager.swap_out(0, key.block_hashes, [0, 1]) == 2
+    assert manager.swap_out(0, [private], [2]) == 1
+    assert manager.swap_out(0, key.block_hashes, [0, 1]) == 2  # already there: nothing rewritten
+    assert manager.stats()["host"]["swapped_out_blocks"] == 3
+    pool.storage[:3].zero_()
+    assert manager.load(key, 0, manager.lookup(key, 0, 2), [3, 4]) == {"host": 2}
+    assert manager.load_private(0, private, 5)
+    assert torch.equal(pool.read_blocks([3, 4, 5]), original)
+    manager.delete_private(0, private)
+    assert not manager.load_private(0, private, 6)
+    stats = manager.stats()["host"]
+    assert stats["swapped_in_blocks"] == 1 and stats["reloads"] == 2 and stats["misses"] >= 1
+    manager.close()
