@@ -15,12 +15,10 @@ import sys
 from collections.abc import Iterator, Mapping
 from typing import Any
 
-from corekv.cache_manager import CacheManager
 from corekv.config import Config
 from corekv.errors import ConfigError, CoreKVError
 from corekv.hashing import PrefixKey, chain_seed
 from corekv.plugin import make_plugin_manager
-from corekv.tier import make_tier
 from corekv.engine.block_manager import BlockManager
 from corekv.engine.detokenizer import IncrementalDetokenizer
 from corekv.engine.kv_pool import KVPool
@@ -30,6 +28,7 @@ from corekv.engine.outputs import RequestOutput
 from corekv.engine.sampling import Sampler, SamplingParams, make_generator
 from corekv.engine.scheduler import ScheduledSeq, Scheduler
 from corekv.engine.sequence import Sequence
+from corekv.engine.tiering import make_cache_manager
 from corekv.engine.requests import (Request, RequestRejectedError, as_prompt_list, check_request_fits,
                                     make_output, per_prompt)
 
@@ -70,7 +69,8 @@ class Engine:
         self.kv_pool = KVPool(m.num_layers, num_blocks, ecfg.block_size, m.num_kv_heads, m.head_dim,
                               m.dtype, m.device)
         self.backend = self._make_backend(num_blocks)
-        self.cache_manager = self._make_cache_manager()
+        self.cache_manager = make_cache_manager(config.cache, self.plugin_manager, self.model,
+                                                self.kv_pool, self.backend)
         self.runner = ModelRunner(m, self.kv_pool)
         self.sampler = Sampler()
         # NOTE: chunked prefill is on unless the config says otherwise (EngineConfig may not carry
@@ -332,42 +332,6 @@ class Engine:
                               f"(known: {sorted(specs)}); {hint}")
         return spec.factory(num_blocks, self.block_size, max_pinned_fraction=cache.max_pinned_fraction,
                             **cache.backend_options)
-
-    def _make_cache_manager(self) -> CacheManager | None:
-        """The tiers of ``cache.tiers``, in order, under one :class:`CacheManager` (None without)."""
-        cache = self.config.cache
-        if not cache.tiers:
-            return None
-        specs = self.plugin_manager.tiers()
-        m, pool = self.model, self.kv_pool
-        try:
-            fingerprint = bytes.fromhex(m.fingerprint)
-        except ValueError:
-            fingerprint = m.fingerprint.encode()
-        tiers = []
-        try:
-            for i, tier_cfg in enumerate(cache.tiers):
-                spec = specs.get(tier_cfg.type)
-                if spec is None:
-                    raise ConfigError(f"cache.tiers[{i}].type: no tier named {tier_cfg.type!r} is registered "
-                                      f"(known: {sorted(specs)}); install the plugin that provides it")
-                tiers.append(make_tier(spec, tier_cfg.options, block_bytes=pool.bytes_per_block,
-                                       fingerprint=fingerprint, dtype=str(m.dtype).removeprefix("torch."),
-                                       shape=pool.block_shape, name=tier_cfg.name or tier_cfg.type))
-        except BaseException:
-            for tier in tiers:
-                tier.close()
-            raise
-        manager = CacheManager(tiers, pool, write_policy=cache.write_policy,
-                               offload_min_hits=cache.offload_min_hits,
-                               queue_blocks=cache.offload_queue_blocks, hooks=self.plugin_manager.hook)
-        try:
-            self.backend.on_evict = manager.on_evict
-        except ValueError as e:
-            manager.close()
-            raise ConfigError(f"cache.tiers needs a backend that reports evicted blocks' hashes: {e} "
-                              "(for radix: set cache.backend_options.track_hashes: true)") from e
-        return manager
 
     def prefix_key(self, token_ids: list[int], cache_salt: str | None = None) -> PrefixKey:
         """The :class:`PrefixKey` under which this engine caches ``token_ids`` for ``cache_salt``."""

@@ -133,3 +133,28 @@ def test_a_foreign_model_never_hits(tiny_llama, tmp_path):
     other = make_tiny_llama(seed=1)
     with make_engine(other, [tier]) as engine:
         assert engine.generate(PROMPT, GREEDY)[0].num_cached_tokens == 0
+
+
+def test_plugins_see_blocks_offloaded_and_loaded(tiny_llama, tmp_path):
+    from corekv.plugin import hookimpl
+
+    class Recorder:
+        def __init__(self):
+            self.offloaded, self.loaded = [], []
+
+        @hookimpl
+        def corekv_on_blocks_offloaded(self, tier, block_hashes):
+            self.offloaded.append((tier, len(block_hashes)))
+
+        @hookimpl
+        def corekv_on_blocks_loaded(self, tier, block_hashes):
+            self.loaded.append((tier, list(block_hashes)))
+
+    recorder = Recorder()
+    with Engine(make_config([tier_config("host", tmp_path)]), model=tiny_llama, plugins=(recorder,)) as engine:
+        engine.generate(PROMPT, GREEDY)
+        evict(engine)
+        engine.generate(PROMPT, GREEDY)
+        key = engine.prefix_key(engine.encode(PROMPT))
+    assert sum(n for tier, n in recorder.offloaded if tier == "host") >= 4
+    assert recorder.loaded == [("host", key.block_hashes[:4])]
