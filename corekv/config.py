@@ -46,6 +46,8 @@ class EngineConfig:
     preemption: str = _field("recompute", "what happens to a preempted sequence's KV",
                              choices=("recompute", "swap"))
     enable_prefix_caching: bool = _field(True, "reuse cached prefixes across requests")
+    enable_chunked_prefill: bool = _field(True, "split long prompts across steps so decodes keep "
+                                          "running; off: a prompt is prefilled in one step")
 
 
 @dataclass(frozen=True)
