@@ -1,0 +1,163 @@
+"""Issue 4: multi-turn conversations under memory pressure, with no tiers, a host tier, host + LMDB.
+
+    python benchmarks/memory_pressure.py --scale 0.0625 --threads 2 --markdown
+
+The seed's multi-turn workload (prefix-cache-hash-blocks-and-radix-tree.md): 20 conversations x 8
+turns; each conversation starts from a 300-token history, each turn appends a user message
+(10-60 tokens) and sends the history as the prompt, then appends a fixed "answer" (50-300 tokens,
+not the generated text, as in the seed). ``--scale`` multiplies every length (the seed's lengths
+make ~170K prompt tokens, hours of recompute on this 2-core box). Token ids are real text: slices
+of the two seed documents tokenized by SmolLM2's tokenizer, at random offsets (``random.seed(0)``).
+Each prompt generates ``--new-tokens`` tokens greedily (EOS ignored).
+
+Turns are interleaved, as concurrent chat sessions are: turn 1 of all 20 conversations is
+submitted together (one ``engine.generate`` call), then turn 2, and so on. The device pool holds
+``--pool-fraction`` (default a quarter) of the working set, the sum of every conversation's final
+prompt + new tokens. Configurations: ``none`` (device pool only), ``host`` (a host tier holding
+the whole working set), ``host+lmdb`` (a host tier holding half of it above an LMDB with room for
+all of it). The same model object serves every engine; each configuration starts from a fresh
+engine and empty tiers.
+
+Reports per configuration: total wall time, prompt tokens computed (prompt tokens minus those
+reused from the device or reloaded from a tier), all tokens computed (preemption recompute
+included), preemptions, per-tier reloaded blocks and skipped offloads, and whether every
+generated token equals the ``none`` run's.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from corekv.config import CacheConfig, Config, EngineConfig, TierConfig
+from corekv.engine.llm_engine import Engine
+from corekv.engine.models import load_model
+from corekv.engine.sampling import SamplingParams
+
+BLOCK = 16
+SEEDS = Path("/work/shared/seeds")
+CONFIGS = ("none", "host", "host+lmdb")
+
+
+def make_workload(model, scale: float, num_conversations: int = 20, num_turns: int = 8, seed: int = 0):
+    """``turns[t][c]``: conversation ``c``'s prompt at turn ``t`` (token ids)."""
+    text = "\n\n".join(p.read_text() for p in sorted(SEEDS.glob("*.md")))
+    corpus = [int(t) for t in model.tokenizer.encode(text, add_special_tokens=False)]
+    rng = random.Random(seed)
+
+    def tokens(low: int, high: int) -> list[int]:
+        n = max(1, round(rng.randint(low, high) * scale))
+        start = rng.randrange(0, len(corpus) - n)
+        return corpus[start:start + n]
+
+    turns = [[] for _ in range(num_turns)]
+    for _ in range(num_conversations):
+        history = tokens(300, 300)
+        for t in range(num_turns):
+            history = history + tokens(10, 60)  # the user's new message
+            turns[t].append(list(history))
+            history = history + tokens(50, 300)  # the model's answer (fixed tokens, as in the seed)
+    return turns
+
+
+def tier_configs(name: str, workdir: str, working_set_bytes: int) -> tuple[TierConfig, ...]:
+    if name == "none":
+        return ()
+    if name == "host":
+        return (TierConfig(type="host", name="host", options={"size": working_set_bytes + (8 << 20)}),)
+    return (TierConfig(type="host", name="host", options={"size": working_set_bytes // 2}),
+            TierConfig(type="lmdb", name="lmdb", options={"path": os.path.join(workdir, "lmdb"),
+                                                          "size": 2 * working_set_bytes + (64 << 20),
+                                                          "sync": False}))
+
+
+def run_config(model, name: str, turns, num_blocks: int, working_set_bytes: int, args) -> dict:
+    params = SamplingParams(max_tokens=args.new_tokens, temperature=0.0, ignore_eos=True)
+    workdir = tempfile.mkdtemp(prefix="corekv-pressure-")
+    try:
+        config = Config(model="smollm2-135m-instruct", dtype="float32", device="cpu",
+                        engine=EngineConfig(num_blocks=num_blocks, block_size=BLOCK,
+                                            max_num_batched_tokens=args.budget),
+                        cache=CacheConfig(backend="radix", offload_queue_blocks=args.queue_blocks,
+                                          tiers=tier_configs(name, workdir, working_set_bytes)))
+        outputs = []
+        t0 = time.perf_counter()
+        with Engine(config, model=model) as engine:
+            for t, prompts in enumerate(turns):
+                outputs += [o.token_ids for o in engine.generate(prompts, params)]
+                print(f"  {name}: turn {t + 1} done at {time.perf_counter() - t0:.1f} s "
+                      f"(load {os.getloadavg()[0]:.2f})", file=sys.stderr, flush=True)
+            seconds = time.perf_counter() - t0
+            stats = engine.stats()
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+    return {"config": name, "seconds": seconds, "prompt_tokens": stats["prompt_tokens"],
+            "prompt_tokens_computed": stats["prompt_tokens_computed"],
+            "tokens_computed": stats["tokens_computed"], "preemptions": stats["num_preemptions"],
+            "tiers": {k: {f: v.get(f, 0) for f in ("reloads", "offloads", "skips", "faults")}
+                      for k, v in stats["tiers"].items()},
+            "outputs": outputs}
+
+
+def markdown(rows: list[dict]) -> str:
+    base = rows[0]
+    lines = ["| config | total s | time vs none | prompt tokens | prompt tokens computed | fewer than none "
+             "| tokens computed | preemptions | reloaded blocks | skipped offloads | same tokens as none |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
+    for r in rows:
+        reloads = ", ".join(f"{k} {v['reloads']}" for k, v in r["tiers"].items()) or "-"
+        skips = ", ".join(f"{k} {v['skips']}" for k, v in r["tiers"].items()) or "-"
+        fewer = 1 - r["prompt_tokens_computed"] / base["prompt_tokens_computed"]
+        lines.append(f"| {r['config']} | {r['seconds']:.1f} | {base['seconds'] / r['seconds']:.2f}x faster "
+                     f"| {r['prompt_tokens']} | {r['prompt_tokens_computed']} | {fewer:.0%} | {r['tokens_computed']} "
+                     f"| {r['preemptions']} | {reloads} | {skips} | {r['outputs'] == base['outputs']} |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--scale", type=float, default=0.0625, help="multiplies every length of the seed's workload")
+    parser.add_argument("--pool-fraction", type=float, default=0.25, help="device pool / working set")
+    parser.add_argument("--new-tokens", type=int, default=8, help="tokens generated per turn")
+    parser.add_argument("--threads", type=int, default=2, help="torch.set_num_threads")
+    parser.add_argument("--budget", type=int, default=512, help="engine.max_num_batched_tokens")
+    parser.add_argument("--queue-blocks", type=int, default=256, help="cache.offload_queue_blocks")
+    parser.add_argument("--configs", default=",".join(CONFIGS), help=f"a subset of {CONFIGS}, 'none' first")
+    parser.add_argument("--markdown", action="store_true")
+    parser.add_argument("--json", help="write the rows here")
+    args = parser.parse_args()
+    configs = args.configs.split(",")
+    if configs[0] != "none" or not set(configs) <= set(CONFIGS):
+        parser.error(f"--configs: got {configs}; expected a subset of {CONFIGS} starting with 'none'")
+    if not 0 < args.scale <= 1 or not 0 < args.pool_fraction <= 1:
+        parser.error(f"--scale and --pool-fraction must be in (0, 1], got {args.scale}, {args.pool_fraction}")
+    torch.set_num_threads(args.threads)
+    print(f"threads {torch.get_num_threads()}, load average at start {os.getloadavg()}", file=sys.stderr)
+    model = load_model("smollm2-135m-instruct", dtype="float32", device="cpu")
+    turns = make_workload(model, args.scale)
+    finals = [len(p) + args.new_tokens for p in turns[-1]]
+    working_set_blocks = sum(-(-n // BLOCK) for n in finals)
+    num_blocks = max(round(working_set_blocks * args.pool_fraction), -(-max(finals) // BLOCK) + 1)
+    block_bytes = 30 * 2 * 3 * BLOCK * 64 * 4  # SmolLM2-135M, float32
+    print(f"workload: {sum(len(p) for t in turns for p in t)} prompt tokens, working set "
+          f"{working_set_blocks} blocks, device pool {num_blocks} blocks", file=sys.stderr)
+    rows = []
+    for name in configs:
+        rows.append(run_config(model, name, turns, num_blocks, working_set_blocks * block_bytes, args))
+        if args.json:
+            Path(args.json).write_text(json.dumps(rows, indent=1))
+    print(f"load average at end {os.getloadavg()}; working set {working_set_blocks} blocks, "
+          f"pool {num_blocks} blocks", file=sys.stderr)
+    print(markdown(rows) if args.markdown else json.dumps([{k: v for k, v in r.items() if k != "outputs"} for r in rows], indent=1))
+
+
+if __name__ == "__main__":
+    main()
