@@ -158,3 +158,25 @@ def test_plugins_see_blocks_offloaded_and_loaded(tiny_llama, tmp_path):
         key = engine.prefix_key(engine.encode(PROMPT))
     assert sum(n for tier, n in recorder.offloaded if tier == "host") >= 4
     assert recorder.loaded == [("host", key.block_hashes[:4])]
+
+
+@pytest.mark.slow
+def test_smollm2_prefix_from_lmdb_after_a_restart_gives_identical_logits(smollm2, tmp_path):
+    """The real model: a prefix stored by one engine's close and reloaded by the next gives the
+    device hit's tokens and bit-identical logits."""
+    prompt = "You are a concise assistant. Explain in one sentence why caching the keys and values helps."
+    params = GREEDY.__class__(max_tokens=3, temperature=0.0, ignore_eos=True)
+    with make_engine(smollm2, num_blocks=16) as engine:
+        probe = LogitsProbe(engine)
+        engine.generate(prompt, params)
+        reference, reference_logits = probe.first_token_logits(engine, prompt, params)
+    tier = tier_config("lmdb", tmp_path, size=64 << 20)
+    with make_engine(smollm2, [tier], num_blocks=16) as engine:
+        engine.generate(prompt, params)
+    with make_engine(smollm2, [tier], num_blocks=16) as engine:
+        probe = LogitsProbe(engine)
+        output, logits = probe.first_token_logits(engine, prompt, params)
+    assert reference.num_cached_tokens > 0
+    assert output.cached_tokens_by_tier == {"device": 0, "lmdb": reference.num_cached_tokens}
+    assert output.token_ids == reference.token_ids
+    assert torch.equal(logits, reference_logits)
