@@ -14,7 +14,12 @@ waits for a tier. Blocks reloaded from a lower tier are promoted to the tiers ab
 NOTE: an offloaded block goes to *every* tier that does not already hold it (each checked with
 ``exists``), not only the first: with ``host`` above ``lmdb`` the fast tier catches re-use within
 the process while the persistent one survives restarts. ``offload_min_hits`` keeps blocks that
-were never re-used off the tiers (SSD wear).
+were never re-used off the tiers (SSD wear). Blocks cached by a request that opted out
+(``on_cached(..., offload=False)``) are kept off the tiers until they leave the device.
+
+Swap: ``swap_out`` writes a preempted sequence's blocks to one tier synchronously (the slots are
+freed right after); ``load_private`` / ``delete_private`` move a block stored under a private key
+(a partial last block, which has no chain hash).
 """
 from __future__ import annotations
 
