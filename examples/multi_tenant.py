@@ -36,7 +36,7 @@ def ask(engine: corekv.Engine, tenant: str, salt: str | None, question: str, max
     tiers = ", ".join(f"{name}={n}" for name, n in out.cached_tokens_by_tier.items() if n) or "-"
     row = {"tenant": tenant, "salt": salt, "question": QUESTIONS.index(question) + 1,
            "tokens": len(out.prompt_token_ids), "cached": out.num_cached_tokens, "from": tiers,
-           "token_ids": out.token_ids}
+           "token_ids": out.token_ids, "text": out.text}
     print(f"{tenant:<9} {str(salt):<10} {row['question']:>8} {row['tokens']:>6} {row['cached']:>6}  {tiers}")
     return row
 
@@ -84,6 +84,7 @@ def run(args: argparse.Namespace) -> int:
         b1 = ask(engine, "B", "tenant-b", QUESTIONS[0], args.max_tokens)
         b2 = ask(engine, "B", "tenant-b", QUESTIONS[1], args.max_tokens)
         none = ask(engine, "no salt", None, QUESTIONS[0], args.max_tokens)
+    print(f"answer to question 1 (A, B and no salt): {a1['text']!r}")
     checks += [
         (b1["cached"] == 0, f"no cross-tenant hit: B's first request (the same prompt A just cached) "
                             f"reused {b1['cached']} tokens (expected 0)"),

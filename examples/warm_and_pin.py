@@ -138,6 +138,8 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     print(f"model {cfg.model}, block size {cfg.engine.block_size}, tiers "
           f"{[t.name for t in cfg.cache.tiers] or 'none'}; pinned tokens per prompt: {pinned}")
     print_table(rows)
+    last = rows[-1]
+    print(f"answer ({last['phase']}, prompt {last['prompt']}): {last['text']!r}")
     # NOTE: a cold row may hit the device legitimately (prompts that share their first block); a
     # hit on a persistent tier means an earlier run left these prompts in the store.
     if any(r["by_tier"].get(t.name) for r in rows if r["phase"] == "cold" for t in stores):

@@ -36,8 +36,11 @@ def tiny_model_folder(tmp_path_factory):
 def run_example(script: str, *args: str, cwd: Path) -> subprocess.CompletedProcess:
     # NOTE: COREKV_* variables of the calling shell would override the example config's fields
     env = {k: v for k, v in os.environ.items() if not k.startswith("COREKV_")}
+    env["PYTHONIOENCODING"] = "utf-8"  # the tiny model's answers are arbitrary bytes
+    env.setdefault("OMP_NUM_THREADS", "1")  # NOTE: a tiny model gains nothing from more threads
     return subprocess.run([sys.executable, str(EXAMPLES / script), *args], cwd=cwd, env=env,
-                          capture_output=True, text=True, timeout=300)
+                          capture_output=True, text=True, encoding="utf-8", errors="replace",
+                          timeout=300)
 
 
 def config_with_store(tmp_path: Path, name: str) -> Path:
@@ -61,7 +64,8 @@ def test_warm_and_pin_reloads_the_pinned_prompts_from_lmdb_after_a_restart(tiny_
     assert result.returncode == 0, result.stderr[-3000:]
     out = result.stdout
     rows = [m.groups() for line in out.splitlines() if (m := ROW.match(line))]
-    table = {(phase, int(i)): (int(tokens), int(cached), where) for phase, i, tokens, cached, where, _ in rows}
+    table = {(phase, int(i)): (int(tokens), int(cached), where)
+             for phase, i, tokens, cached, where, _ in rows}
     # system_prompts.txt holds two blank-line separated prompts: three phases each
     assert sorted(table) == sorted((p, i) for p in ("cold", "warmed", "restart") for i in (1, 2)), out
     pinned = [int(n) for n in re.search(r"pinned tokens per prompt: \[(\d+), (\d+)\]", out).groups()]
@@ -101,3 +105,23 @@ def test_examples_reject_bad_arguments_naming_them(tmp_path):
     missing = tmp_path / "nope.txt"
     result = run_example("warm_and_pin.py", "--prompts-file", str(missing), cwd=tmp_path)
     assert result.returncode != 0 and f"--prompts-file {str(missing)!r} is not a file" in result.stderr
+
+
+def test_prompts_file_holds_one_prompt_per_line_or_per_paragraph(tmp_path):
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("warm_and_pin", EXAMPLES / "warm_and_pin.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    per_line = tmp_path / "lines.txt"
+    per_line.write_text("# two prompts\nYou are terse.\nYou are verbose.\n")
+    assert module.read_system_prompts(per_line) == ["You are terse.", "You are verbose."]
+    per_paragraph = tmp_path / "paragraphs.txt"
+    per_paragraph.write_text("You are terse.\nAnswer in one line.\n\n\nYou are verbose.\n")
+    assert module.read_system_prompts(per_paragraph) == ["You are terse. Answer in one line.",
+                                                          "You are verbose."]
+    assert len(module.read_system_prompts(EXAMPLES / "system_prompts.txt")) == 2
+    empty = tmp_path / "empty.txt"
+    empty.write_text("# nothing here\n\n")
+    with pytest.raises(SystemExit, match="holds no system prompt"):
+        module.read_system_prompts(empty)
