@@ -1,4 +1,9 @@
-"""The ``corekv`` command line: ``plugins``, ``config``, ``bench hit-rate``, ``generate``, ``warm``.
+"""The ``corekv`` command line: ``plugins``, ``config``, ``bench hit-rate``, ``generate``, ``warm``,
+``store stats|ls|verify|clear``.
+
+Config: ``--config FILE``, else ``$COREKV_CONFIG``, else the packaged ``corekv/defaults.yaml`` (the
+default model plus an lmdb tier at ``./kvstore``, so two runs of the same prompt share its
+prefix). The Python API's ``corekv.load_config()`` keeps the device-only dataclass defaults.
 
 Errors a user can fix (bad config, bad arguments, a broken plugin) print one line,
 ``corekv: error: <message>``, and exit 2 (config or usage) or 1 (runtime); ``--debug`` shows the
@@ -15,6 +20,13 @@ from typing import Any
 
 EXIT_RUNTIME = 1
 EXIT_USAGE = 2
+DEFAULTS_FILE = "defaults.yaml"  # package data of corekv: the CLI's config when none is named
+_EXIT_CODES_HELP = (
+    "config: --config FILE, else $COREKV_CONFIG, else the built-in defaults (`corekv config` shows\n"
+    "them: the default model and an lmdb tier at ./kvstore, 2GiB). corekv.load_config() in Python\n"
+    "keeps the device-only defaults instead.\n\n"
+    "exit codes: 0 ok; 1 runtime error (model, store, engine; also `store verify` finding bad\n"
+    "entries); 2 usage or config error; 130 interrupted. --debug shows tracebacks.\n\n")
 
 
 class UsageError(Exception):
@@ -28,8 +40,8 @@ class _Parser(argparse.ArgumentParser):
         raise UsageError(f"{message} (see '{self.prog} --help')")
 
 
-def _parser_kwargs(description: str, examples: str) -> dict[str, Any]:
-    return {"description": description, "epilog": "examples:\n" + examples,
+def _parser_kwargs(description: str, examples: str, notes: str = "") -> dict[str, Any]:
+    return {"description": description, "epilog": notes + "examples:\n" + examples,
             "formatter_class": argparse.RawDescriptionHelpFormatter}
 
 
@@ -38,7 +50,8 @@ def build_parser() -> argparse.ArgumentParser:
     # NOTE: SUPPRESS defaults, so --config/--debug work before or after the subcommand without
     # the subcommand's default overwriting a value given before it.
     common.add_argument("--config", metavar="FILE", default=argparse.SUPPRESS,
-                        help="YAML config file (default: $COREKV_CONFIG, else built-in defaults)")
+                        help="YAML config file (default: $COREKV_CONFIG, else the built-in "
+                        "defaults: see `corekv config`)")
     common.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
                         help="log debug messages and show tracebacks on errors")
     parser = _Parser(prog="corekv", parents=[common], **_parser_kwargs(
@@ -46,7 +59,8 @@ def build_parser() -> argparse.ArgumentParser:
         "  corekv plugins\n"
         "  corekv config --config cache.yaml\n"
         "  corekv generate --prompt 'What is a KV cache?' --chat\n"
-        "  corekv bench hit-rate\n"))
+        "  corekv bench hit-rate\n"
+        "  corekv store stats --config cache.yaml\n", _EXIT_CODES_HELP))
     commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True,
                                      parser_class=_Parser)
 
@@ -105,7 +119,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--temperature", metavar="T", type=_float_at_least(0.0), default=0.0,
                    help="sampling temperature; 0 is greedy (default: 0)")
     p.add_argument("--stats", action="store_true",
-                   help="also print cached-token counts and time to first token to stderr")
+                   help="also print, one line each on stderr, the cached tokens, the cached tokens "
+                        "by tier and the time to first token")
+    p.add_argument("--json", action="store_true",
+                   help="print one JSON object instead: the text, the request's cache facts and "
+                        "the whole engine.stats()")
     p.set_defaults(handler=_cmd_generate)
 
     p = commands.add_parser("warm", parents=[common], help="compute and keep a prefix",
@@ -115,12 +133,67 @@ def build_parser() -> argparse.ArgumentParser:
                                 "(lmdb, redis, fsspec) in the config.",
                                 "  corekv warm --config cache.yaml --prompt 'You are a helpful assistant.'\n"
                                 "  corekv warm --config cache.yaml --prompt \"$(cat system.txt)\" "
-                                "--salt tenant-a --pin\n"))
-    p.add_argument("--prompt", required=True, help="the prefix text")
+                                "--salt tenant-a --pin\n"
+                                "  corekv warm --prompts-file system_prompts.txt --stats --json\n"))
+    p.add_argument("--prompt", action="append", default=[],
+                   help="the prefix text (repeat for several prompts)")
+    p.add_argument("--prompts-file", metavar="FILE",
+                   help="a text file with one prompt per line (blank lines skipped)")
     p.add_argument("--salt", metavar="S", help="cache_salt the prefix is kept for")
     p.add_argument("--pin", action="store_true", help="pin it: never evicted from the device pool")
+    p.add_argument("--stats", action="store_true", help="also print the engine's stats (stderr)")
+    p.add_argument("--json", action="store_true", help="with --stats: the stats as JSON")
     p.set_defaults(handler=_cmd_warm)
+    _add_store_commands(commands, common)
     return parser
+
+
+def _add_store_commands(commands, common) -> None:
+    store = commands.add_parser("store", parents=[common], help="inspect, verify or clear a store",
+                                **_parser_kwargs(
+                                    "Inspect the persistent tiers (lmdb, fsspec, redis) of a config "
+                                    "without loading the model: every entry's header names its "
+                                    "model, dtype and shape, so stores shared by several models "
+                                    "work. A host tier lives in one process and is skipped.",
+                                    "  corekv store stats --config cache.yaml\n"
+                                    "  corekv store ls --config cache.yaml --limit 20\n"
+                                    "  corekv store verify --config cache.yaml --delete-bad\n"
+                                    "  corekv store clear --config cache.yaml --all-models --yes\n"))
+    sub = store.add_subparsers(dest="store_command", metavar="ACTION", required=True,
+                               parser_class=_Parser)
+    tier_help = "only this tier (its name in cache.tiers; default: every inspectable tier)"
+    for name, help_text, description, examples in (
+            ("stats", "entries, bytes, capacity and models per tier",
+             "Per tier: entries, bytes, capacity, and per model (12-hex-digit fingerprint "
+             "digest) its entries and block layouts (dtype[shape]).",
+             "  corekv store stats\n  corekv store stats --config cache.yaml --json\n"),
+            ("ls", "list entries", "List entries: tier, block hash, size, model, dtype and shape.",
+             "  corekv store ls --limit 10\n  corekv store ls --tier lmdb --json\n"),
+            ("verify", "check every entry's header and checksum",
+             "Read every entry and check its header and checksum (for entries of any model). "
+             "Exits 1 when bad entries are found.",
+             "  corekv store verify\n  corekv store verify --delete-bad\n"),
+            ("clear", "delete entries",
+             "Delete the entries of the config's model (its weights are loaded to compute its "
+             "fingerprint), of --model FP12, or of every model (--all-models). Asks nothing: "
+             "requires --yes.",
+             "  corekv store clear --yes\n  corekv store clear --all-models --yes\n"
+             "  corekv store clear --model 0123456789ab --yes\n")):
+        p = sub.add_parser(name, parents=[common], help=help_text,
+                           **_parser_kwargs(description, examples))
+        p.add_argument("--tier", metavar="NAME", help=tier_help)
+        p.add_argument("--json", action="store_true", help="print JSON")
+        if name == "ls":
+            p.add_argument("--limit", metavar="N", type=_int_at_least(1),
+                           help="list at most N entries per tier")
+        if name == "verify":
+            p.add_argument("--delete-bad", action="store_true", help="delete the bad entries")
+        if name == "clear":
+            p.add_argument("--all-models", action="store_true", help="delete every model's entries")
+            p.add_argument("--model", metavar="FP12",
+                           help="delete this model's entries (as `corekv store stats` shows it)")
+            p.add_argument("--yes", action="store_true", help="really delete (required)")
+        p.set_defaults(handler=_cmd_store)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -132,7 +205,7 @@ def main(argv: list[str] | None = None) -> int:
     except SystemExit as e:  # --help
         return e.code if isinstance(e.code, int) else 0
     debug = getattr(args, "debug", False)
-    if args.handler in (_cmd_generate, _cmd_warm) and not debug:
+    if args.handler in (_cmd_generate, _cmd_warm, _cmd_store) and not debug:
         # NOTE: transformers and its GGUF reader draw tqdm bars while loading, which bury the one
         # line of output. tqdm reads TQDM_* variables when it is imported, so set it first.
         os.environ.setdefault("TQDM_DISABLE", "1")
@@ -170,9 +243,19 @@ def _fail(message: str, code: int) -> int:
 
 # -- commands ----------------------------------------------------------------------------------
 def _load(args: argparse.Namespace):
-    from corekv.config import load_config
+    from corekv.config import CONFIG_ENV, load_config
 
-    return load_config(getattr(args, "config", None))
+    source = getattr(args, "config", None)
+    if source is None and not os.environ.get(CONFIG_ENV):
+        source = defaults_path()
+    return load_config(source)
+
+
+def defaults_path() -> str:
+    """The packaged default config file (``corekv/defaults.yaml``) the CLI uses when none is named."""
+    from importlib.resources import files
+
+    return str(files("corekv").joinpath(DEFAULTS_FILE))
 
 
 def _config_plugins(args: argparse.Namespace) -> tuple[str, ...]:
@@ -242,7 +325,10 @@ def _cmd_bench_hit_rate(args: argparse.Namespace) -> int:
     if args.capacity is not None and args.capacity < smallest:
         raise UsageError(f"--capacity: got {args.capacity}; expected at least {smallest} tokens "
                          "(one block of the largest block size in the table)")
-    rows = bench.hit_rate_table(workloads, capacity=args.capacity)
+    workloads = bench.seed_workloads() if workloads is None else workloads
+    # NOTE: one workload at a time, so a progress bar can tick (the table is per workload anyway)
+    rows = [row for name in _progress(list(workloads), "hit-rate", unit="workload")
+            for row in bench.hit_rate_table({name: workloads[name]}, capacity=args.capacity)]
     print(json.dumps(rows, indent=2) if args.json else bench.format_table(rows))
     return 0
 
@@ -254,23 +340,193 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     prompt: Any = [{"role": "user", "content": args.prompt}] if args.chat else args.prompt
     params = corekv.SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature)
     with corekv.Engine.from_config(cfg) as engine:
-        outs = engine.generate([prompt], params, cache_salt=args.salt)
-    out = outs[0]
+        out = engine.generate([prompt], params, cache_salt=args.salt)[0]
+        stats = engine.stats() if args.json or args.stats else None
+    if args.json:
+        print(json.dumps({"text": out.text, "num_cached_tokens": out.num_cached_tokens,
+                          "cached_tokens_by_tier": out.cached_tokens_by_tier, "ttft_s": out.ttft_s,
+                          "stats": stats}, indent=2, default=str))
+        return 0
     print(out.text)
     if args.stats:
-        print(f"cached tokens: {out.num_cached_tokens} (by tier: {out.cached_tokens_by_tier}); "
-              f"time to first token: {out.ttft_s:.3f}s", file=sys.stderr)
+        by_tier = ", ".join(f"{k}={v}" for k, v in out.cached_tokens_by_tier.items()) or "none"
+        ttft = f"{out.ttft_s:.3f}s" if out.ttft_s is not None else "n/a"
+        for line in (f"cached tokens: {out.num_cached_tokens} of {len(out.prompt_token_ids)} "
+                     "prompt tokens",
+                     f"cached tokens by tier: {by_tier}",
+                     f"time to first token: {ttft}"):
+            print(line, file=sys.stderr)
     return 0
 
 
 def _cmd_warm(args: argparse.Namespace) -> int:
     import corekv
 
+    prompts = list(args.prompt)
+    if args.prompts_file is not None:
+        try:
+            with open(args.prompts_file, encoding="utf-8") as f:
+                prompts += [line.rstrip("\n") for line in f if line.strip()]
+        except OSError as e:
+            raise UsageError(f"--prompts-file: cannot read {args.prompts_file!r} ({e}); pass a "
+                             "text file with one prompt per line") from None
+    if not prompts:
+        raise UsageError("warm needs --prompt TEXT (repeatable) or --prompts-file FILE "
+                         "(see 'corekv warm --help')")
     cfg = _load(args)
     with corekv.Engine.from_config(cfg) as engine:
-        result = engine.warm(args.prompt, pin=args.pin, cache_salt=args.salt)
-    print(f"{'warmed and pinned' if args.pin else 'warmed'} {result} prompt tokens")
+        counts = [engine.warm(p, pin=args.pin, cache_salt=args.salt)
+                  for p in _progress(prompts, "warm", unit="prompt")]
+        stats = engine.stats() if args.stats else None
+    verb = "warmed and pinned" if args.pin else "warmed"
+    if len(counts) == 1:
+        print(f"{verb} {counts[0]} prompt tokens")
+    else:
+        print(f"{verb} {sum(counts)} prompt tokens in {len(counts)} prompts")
+    if stats is not None:
+        _print_stats(stats, as_json=args.json)
     return 0
+
+
+def _print_stats(stats: dict[str, Any], *, as_json: bool) -> None:
+    """engine.stats() on stderr: JSON, or one ``key: value`` line per fact (tiers flattened)."""
+    if as_json:
+        print(json.dumps(stats, indent=2, default=str), file=sys.stderr)
+        return
+    for key, value in stats.items():
+        if isinstance(value, dict):
+            for sub, sub_value in value.items():
+                print(f"{key}.{sub}: {json.dumps(sub_value, default=str)}", file=sys.stderr)
+        else:
+            print(f"{key}: {value:.3f}" if isinstance(value, float) else f"{key}: {value}",
+                  file=sys.stderr)
+
+
+def _progress(items: list, desc: str, unit: str):
+    """A tqdm bar on stderr when it is a terminal, tqdm is installed and there are several items."""
+    if len(items) < 2 or not sys.stderr.isatty():
+        return items
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        return items
+    # NOTE: disable=False explicitly: main() sets TQDM_DISABLE for the model loaders' own bars.
+    return tqdm(items, desc=desc, unit=unit, file=sys.stderr, disable=False, leave=False)
+
+
+# -- store ---------------------------------------------------------------------------------------
+def _cmd_store(args: argparse.Namespace) -> int:
+    from corekv import store
+
+    cfg = _load(args)
+    action = args.store_command
+    if action == "clear":
+        if args.all_models and args.model:
+            raise UsageError("--all-models and --model exclude each other; pass one")
+        if not args.yes:
+            raise UsageError("store clear deletes entries and asks no question: add --yes")
+    views, skipped = store.open_views(cfg, args.tier)
+    for line in skipped:
+        print(f"note: skipped tier {line}", file=sys.stderr)
+    try:
+        if action == "stats":
+            return _store_stats(views, args.json)
+        if action == "ls":
+            return _store_ls(views, args.limit, args.json)
+        if action == "verify":
+            return _store_verify(views, args.delete_bad, args.json)
+        model = None if args.all_models else (args.model or _model_fp12(cfg))
+        result = {view.name: store.clear(view, model) for view in views}
+        if args.json:
+            print(json.dumps({"model": model, "deleted": result}, indent=2))
+        else:
+            for name, count in result.items():
+                print(f"{name}: deleted {count} entries of {model or 'every model'}")
+        return 0
+    finally:
+        for view in views:
+            view.close()
+
+
+def _model_fp12(cfg) -> str:
+    """The config's model id as stores key it (loads the weights: the fingerprint hashes them)."""
+    from corekv.block_format import fingerprint_digest
+    from corekv.engine.models import load_model
+    from corekv.engine.tiering import fingerprint_bytes
+    from corekv.plugin import make_plugin_manager
+
+    model = load_model(cfg.model, dtype=cfg.dtype, device="cpu",
+                       plugin_manager=make_plugin_manager(cfg.plugins))
+    return fingerprint_digest(fingerprint_bytes(model.fingerprint)).hex()[:12]
+
+
+def _store_stats(views, as_json: bool) -> int:
+    from corekv import store
+
+    rows = [store.summarize(view) for view in views]
+    if as_json:
+        print(json.dumps(rows, indent=2))
+        return 0
+    for row in rows:
+        capacity = format_size(row["capacity_bytes"]) if row["capacity_bytes"] else "unbounded"
+        print(f"{row['name']} ({row['type']}): {row['entries']} entries, {format_size(row['bytes'])}"
+              f" of {capacity}")
+        for model, info in sorted(row["models"].items()):
+            print(f"  model {model}: {info['entries']} entries, {format_size(info['bytes'])}, "
+                  f"{', '.join(info['layouts']) or 'no readable header'}")
+        if row["unreadable_headers"]:
+            print(f"  {row['unreadable_headers']} entries with unreadable headers "
+                  "(run `corekv store verify`)")
+    return 0
+
+
+def format_size(num_bytes: int) -> str:
+    """Bytes for people: ``1.5 MiB`` (one decimal), ``512 B``."""
+    value, unit = float(num_bytes), "B"
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if value < 1024 or unit == "TiB":
+            break
+        value /= 1024
+    return f"{int(value)} B" if unit == "B" else f"{value:.1f} {unit}"
+
+
+def _store_ls(views, limit: int | None, as_json: bool) -> int:
+    from corekv.block_format import EntryError, read_header
+
+    rows = []
+    for view in views:
+        for i, entry in enumerate(view.entries()):
+            if limit is not None and i >= limit:
+                break
+            try:
+                header = read_header(entry.data)
+                dtype, shape = header.dtype, list(header.shape)
+            except EntryError:
+                dtype, shape = "?", []
+            rows.append({"tier": view.name, "key": entry.key.hex(), "bytes": len(entry.data),
+                         "model": entry.model, "dtype": dtype, "shape": shape})
+    if as_json:
+        print(json.dumps(rows, indent=2))
+    else:
+        _print_table("Entries", ("TIER", "KEY", "BYTES", "MODEL", "DTYPE", "SHAPE"),
+                     [(r["tier"], r["key"], r["bytes"], r["model"], r["dtype"], r["shape"])
+                      for r in rows])
+    return 0
+
+
+def _store_verify(views, delete_bad: bool, as_json: bool) -> int:
+    from corekv import store
+
+    results = [store.verify(view, delete_bad=delete_bad) for view in views]
+    if as_json:
+        print(json.dumps(results, indent=2))
+    else:
+        for r in results:
+            deleted = f", {r['deleted']} deleted" if delete_bad else ""
+            print(f"{r['name']}: {r['good']} good, {r['bad']} bad{deleted}")
+            for bad in r["bad_entries"]:
+                print(f"  bad {bad['key']} (model {bad['model']}): {bad['reason']}")
+    return EXIT_RUNTIME if any(r["bad"] for r in results) else 0
 
 
 # -- argument types ------------------------------------------------------------------------------

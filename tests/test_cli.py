@@ -112,6 +112,14 @@ def test_a_broken_plugin_is_a_runtime_error_naming_it(tmp_path):
      "--workloads: got 'paralel'; expected a comma-separated list of shared_system, multi_turn, "
      "few_shot, parallel; did you mean 'parallel'?"),
     ([], "the following arguments are required: COMMAND (see 'corekv --help')"),
+    (["warm"], "warm needs --prompt TEXT (repeatable) or --prompts-file FILE (see 'corekv warm --help')"),
+    (["warm", "--prompts-file", "/definitely/not/here.txt"],
+     "--prompts-file: cannot read '/definitely/not/here.txt' ([Errno 2] No such file or directory: "
+     "'/definitely/not/here.txt'); pass a text file with one prompt per line"),
+    (["store", "clear", "--all-models", "--model", "0123456789ab", "--yes"],
+     "--all-models and --model exclude each other; pass one"),
+    (["store", "ls", "--limit", "0"],
+     "argument --limit: got 0; expected an integer >= 1 (see 'corekv store ls --help')"),
     (["bench", "hit-rate", "--capacity", "32"],
      "--capacity: got 32; expected at least 64 tokens (one block of the largest block size in the table)"),
 ])
@@ -210,13 +218,21 @@ def test_bench_hit_rate_json_with_a_capacity(capsys):
 
 # -- help ------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("command", [[], ["plugins"], ["config"], ["bench"], ["bench", "hit-rate"],
-                                     ["generate"], ["warm"]])
+                                     ["generate"], ["warm"], ["store"], ["store", "stats"],
+                                     ["store", "ls"], ["store", "verify"], ["store", "clear"]])
 def test_every_command_has_help_with_examples(capsys, command):
     assert main([*command, "--help"]) == 0
     out = capsys.readouterr().out
     assert out.startswith(f"usage: corekv {' '.join(command)}".rstrip())
     examples = out.split("examples:\n", 1)[1].splitlines()
     assert examples and all(line.startswith("  corekv ") or "corekv " in line for line in examples if line)
+
+
+def test_help_documents_exit_codes_and_the_default_config(capsys):
+    assert main(["--help"]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert "exit codes: 0 ok; 1 runtime error" in out and "2 usage or config error" in out
+    assert "else the built-in defaults" in out and "corekv.load_config() in Python" in out
 
 
 def test_help_runs_from_the_console_script():
@@ -238,10 +254,10 @@ def test_generate_and_warm_print_what_the_engine_returns(tmp_path):
         expected_warm = engine.warm(system, pin=True)
     assert expected and expected_warm > 0
     env = {"COREKV_DEVICE": "cpu"}
-    result = run("generate", "--chat", "--prompt", prompt, "--max-tokens", "8", env=env)
+    result = run("generate", "--chat", "--prompt", prompt, "--max-tokens", "8", env=env, cwd=tmp_path)
     assert result.returncode == 0, result.stderr
     assert result.stdout == expected + "\n"
-    result = run("warm", "--prompt", system, "--pin", env=env)
+    result = run("warm", "--prompt", system, "--pin", env=env, cwd=tmp_path)
     assert result.returncode == 0, result.stderr
     assert result.stdout == f"warmed and pinned {expected_warm} prompt tokens\n"
 
@@ -258,7 +274,7 @@ def test_config_may_be_given_before_or_after_the_command(tmp_path, capsys):
 
 def test_a_runtime_error_from_the_engine_is_one_line_with_exit_code_1(tmp_path):
     missing = tmp_path / "no-model-here"
-    result = run("generate", "--prompt", "hi", env={"COREKV_MODEL": str(missing)})
+    result = run("generate", "--prompt", "hi", env={"COREKV_MODEL": str(missing)}, cwd=tmp_path)
     assert result.returncode == 1
     line = one_line_error(result.stderr)
     assert str(missing) in line and "Traceback" not in result.stderr
