@@ -96,7 +96,7 @@ def test_multi_tenant_salts_isolate_tenants_and_share_within_one(tiny_model_fold
     assert system_blocks > 0
     assert rows["B", 1] == 0 and rows["no salt", 1] == 0, out  # no cross-salt hits
     assert rows["A", 2] >= system_blocks and rows["B", 2] >= system_blocks, out  # same-tenant hits
-    assert "FAIL" not in out and "5 of 5 checks passed" in out, out
+    assert "FAIL" not in out and "6 of 6 checks passed" in out, out
 
 
 def test_examples_reject_bad_arguments_naming_them(tmp_path):
