@@ -1,0 +1,444 @@
+"""Issue 3's engine benchmarks: corekv's Engine vs transformers' continuous batching and sequential
+``model.generate``, on the same model, the same token ids, greedy, in one process.
+
+    python benchmarks/engine_w1_w2.py --dtypes float32,bfloat16 --runs 3 --cb-w2-runs 1 --markdown
+
+* W1: six questions after one long system prompt (chat template), 32 new tokens; the first request
+  alone, then the other five together (wave 2). Each run starts from a fresh engine / manager.
+* W2: 32 prompts of exactly 512 token ids sharing an exact 384-token prefix (real text tokenized:
+  the two seed documents), 128 distinct tokens each, 16 new tokens with EOS ignored.
+
+Per system and workload: total wall time, output tokens/s, mean TTFT (from the moment a wave is
+submitted, every request of a wave arriving then, to that request's first token), the peak RSS
+sampled while that system ran, and whether its tokens equal sequential ``model.generate``'s.
+``--profile`` instead profiles corekv's decode steps (cProfile + torch.profiler) on W2.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import cProfile
+import io
+import json
+import os
+import pstats
+import resource
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import psutil
+import torch
+
+from corekv.config import CacheConfig, Config, EngineConfig
+from corekv.engine.llm_engine import Engine
+from corekv.engine.models import load_model
+from corekv.engine.sampling import SamplingParams
+
+SYSTEM = "You are an inference optimization expert. Answer concisely and accurately, give numbers when needed. " * 6
+# NOTE: the six questions of the seed's shared-system-prompt experiment (as in the golden test).
+QUESTIONS = ["What is a KV cache?", "Explain continuous batching in one sentence.", "What is Python's GIL?",
+             "Write a metaphor about the moon.", "Explain tensor parallelism in one sentence.",
+             "What is 1+1? Answer directly."]
+W2_PROMPTS, W2_LEN, W2_PREFIX, W2_NEW = 32, 512, 384, 16
+W1_NEW = 32
+SEEDS = Path("/work/shared/seeds")
+# vLLM CPU numbers quoted by issue 3 (measured there, on 2 cores, float32; not measured by this run).
+VLLM_REFERENCE = {"W1 wave 2": "1.35-2.0 s", "W2 (prefix caching)": "7.3-7.9 s", "W2 (no prefix caching)": "22-24 s"}
+
+
+class RssSampler:
+    """Samples this process's RSS every 20 ms between ``start()`` and ``stop()``; ``stop`` returns
+    the peak seen (bytes). Invariant: at most one sampling thread runs at a time."""
+
+    def __init__(self):
+        self._proc = psutil.Process()
+        self._thread = None
+
+    def start(self):
+        self._peak = self._proc.memory_info().rss
+        self._running = True
+        self._thread = threading.Thread(target=self._loop, daemon=True)
+        self._thread.start()
+
+    def _loop(self):
+        while self._running:
+            self._peak = max(self._peak, self._proc.memory_info().rss)
+            time.sleep(0.02)
+
+    def stop(self) -> int:
+        self._running = False
+        self._thread.join()
+        return max(self._peak, self._proc.memory_info().rss)
+
+
+# -- workloads ---------------------------------------------------------------------------------
+def w1_prompts(loaded) -> list[list[int]]:
+    return [loaded.encode_prompt([{"role": "system", "content": SYSTEM}, {"role": "user", "content": q}])
+            for q in QUESTIONS]
+
+
+def w2_prompts(loaded) -> list[list[int]]:
+    text = "\n\n".join(p.read_text() for p in sorted(SEEDS.glob("*.md")))
+    ids = loaded.tokenizer(text, add_special_tokens=False)["input_ids"]
+    suffix = W2_LEN - W2_PREFIX
+    need = W2_PREFIX + W2_PROMPTS * suffix
+    if len(ids) < need:
+        raise SystemExit(f"the seed documents give {len(ids)} tokens; W2 needs {need}")
+    prefix = ids[:W2_PREFIX]
+    prompts = [prefix + ids[W2_PREFIX + i * suffix:W2_PREFIX + (i + 1) * suffix] for i in range(W2_PROMPTS)]
+    assert all(len(p) == W2_LEN for p in prompts) and len({tuple(p[W2_PREFIX:]) for p in prompts}) == W2_PROMPTS
+    return prompts
+
+
+# A workload is a list of waves; each wave is a list of prompts submitted together.
+def waves(name, prompts):
+    return [prompts[:1], prompts[1:]] if name == "W1" else [prompts]
+
+
+# -- systems -----------------------------------------------------------------------------------
+def run_corekv(loaded, wave_list, max_new, ignore_eos, prefix_caching):
+    num_tokens = sum(len(p) + max_new for w in wave_list for p in w)
+    cfg = Config(engine=EngineConfig(num_blocks=num_tokens // 16 + 64, enable_prefix_caching=prefix_caching),
+                 cache=CacheConfig(backend="radix"))
+    params = SamplingParams(max_tokens=max_new, temperature=0.0, ignore_eos=ignore_eos)
+    tokens, ttfts, wave_times, computed = [], [], [], []
+    with Engine(cfg, model=loaded) as engine:
+        t0 = time.perf_counter()
+        for wave in wave_list:
+            w0 = time.perf_counter()
+            outs = engine.generate(wave, params, use_tqdm=False)
+            wave_times.append(time.perf_counter() - w0)
+            tokens += [list(o.token_ids) for o in outs]
+            computed.append(engine.stats()["prompt_tokens_computed"] - sum(computed))
+            ttfts += [o.ttft_s for o in outs]
+        total = time.perf_counter() - t0
+    return dict(total=total, waves=wave_times, ttfts=ttfts, tokens=tokens, prompt_tokens_computed=computed)
+
+
+@contextlib.contextmanager
+def hf_attention(loaded, implementation="sdpa"):
+    previous = loaded.model.config._attn_implementation
+    loaded.model.set_attn_implementation(implementation)
+    try:
+        yield loaded.model
+    finally:
+        loaded.model.set_attn_implementation(previous)
+
+
+class _FirstToken:
+    """A generate() streamer that records when the first new token arrives (the first put() is the prompt)."""
+
+    def __init__(self):
+        self.calls, self.first = 0, None
+
+    def put(self, value):
+        self.calls += 1
+        if self.calls == 2 and self.first is None:
+            self.first = time.perf_counter()
+
+    def end(self):
+        pass
+
+
+def run_hf_generate(loaded, wave_list, max_new, ignore_eos):
+    eos = sorted(loaded.eos_token_ids)
+    tokens, ttfts, wave_times = [], [], []
+    with hf_attention(loaded) as model, torch.no_grad():
+        t0 = time.perf_counter()
+        for wave in wave_list:
+            w0 = time.perf_counter()
+            for ids in wave:
+                x = torch.tensor([ids])
+                streamer = _FirstToken()
+                kw = dict(min_new_tokens=max_new) if ignore_eos else {}
+                out = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=max_new, do_sample=False,
+                                     eos_token_id=eos, pad_token_id=eos[0], streamer=streamer, **kw)
+                tokens.append(out[0, len(ids):].tolist())
+                ttfts.append(streamer.first - w0)
+            wave_times.append(time.perf_counter() - w0)
+        total = time.perf_counter() - t0
+    return dict(total=total, waves=wave_times, ttfts=ttfts, tokens=tokens)
+
+
+def run_hf_cb(loaded, wave_list, max_new, ignore_eos, size_pool=True):
+    from transformers import GenerationConfig
+    from transformers.generation.configuration_utils import ContinuousBatchingConfig
+
+    eos = sorted(loaded.eos_token_ids)
+    gen = GenerationConfig(max_new_tokens=max_new, do_sample=False, eos_token_id=-1 if ignore_eos else eos,
+                           pad_token_id=eos[0])
+    tokens, ttfts, wave_times = [], [], []
+    with hf_attention(loaded) as model:
+        t0 = time.perf_counter()
+        for wave in wave_list:
+            w0 = time.perf_counter()
+            # NOTE: a fresh manager per wave (generate_batch's default); its block sharing (prefix
+            # caching) is on by default, so it only shares within a wave.
+            # NOTE: on CPU its default pool is sized from free host memory (GBs, allocated per
+            # manager); size_pool gives it corekv's pool instead: the wave's tokens in 256-token pages.
+            cb_cfg = ContinuousBatchingConfig(
+                num_blocks=sum(-(-(len(p) + max_new) // 256) for p in wave) + 4) if size_pool else ContinuousBatchingConfig()
+            res = model.generate_batch(wave, generation_config=gen, continuous_batching_config=cb_cfg,
+                                       record_timestamps=True, progress_bar=False)
+            wave_times.append(time.perf_counter() - w0)
+            for out in res.values():
+                tokens.append(list(out.generated_tokens))
+                ttfts.append(out.timestamps[0] - w0 if out.timestamps else float("nan"))
+        total = time.perf_counter() - t0
+    return dict(total=total, waves=wave_times, ttfts=ttfts, tokens=tokens)
+
+
+# -- the run -----------------------------------------------------------------------------------
+def summarise(results, reference_tokens):
+    med = lambda xs: statistics.median(xs)  # noqa: E731
+    totals = [r["total"] for r in results]
+    out_tokens = sum(len(t) for t in results[0]["tokens"])
+    row = dict(runs=len(results), total_s=med(totals), total_min_s=min(totals), total_max_s=max(totals),
+               out_tok_s=out_tokens / med(totals), out_tokens=out_tokens,
+               mean_ttft_s=med([statistics.fmean(r["ttfts"]) for r in results]),
+               waves_s=[med([r["waves"][i] for r in results]) for i in range(len(results[0]["waves"]))])
+    if "prompt_tokens_computed" in results[0]:
+        row["prompt_tokens_computed"] = results[0]["prompt_tokens_computed"]
+    toks = results[0]["tokens"]
+    row["mismatches"] = sum(a != b for a, b in zip(toks, reference_tokens)) if reference_tokens else None
+    row["first_divergence"] = [next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+                               for a, b in zip(toks, reference_tokens) if a != b] if reference_tokens else None
+    row["deterministic"] = all(r["tokens"] == toks for r in results)
+    return row
+
+
+def bench_dtype(dtype, args, log):
+    loaded = load_model("smollm2-135m-instruct", dtype=dtype, device="cpu")
+    prompts = {"W1": w1_prompts(loaded), "W2": w2_prompts(loaded)}
+    spec = {"W1": (W1_NEW, False), "W2": (W2_NEW, True)}
+    rows = {}
+    # warm-up (untimed): one short request through each system, so first-call costs are not timed.
+    warm = [prompts["W1"][0][:64]]
+    run_corekv(loaded, [warm], 2, False, True)
+    run_hf_generate(loaded, [warm], 2, False)
+    run_hf_cb(loaded, [warm], 2, False)
+    sampler = RssSampler()
+    for wl in args.workloads:
+        max_new, ignore_eos = spec[wl]
+        wl_waves = waves(wl, prompts[wl])
+        gen_runs = args.generate_w2_runs if wl == "W2" and args.generate_w2_runs else args.runs
+        systems = [("hf generate (sequential, sdpa)", lambda: run_hf_generate(loaded, wl_waves, max_new, ignore_eos), gen_runs),
+                   ("corekv (prefix caching on)", lambda: run_corekv(loaded, wl_waves, max_new, ignore_eos, True), args.runs)]
+        if wl == "W2" or args.w1_nocache:
+            systems.append(("corekv (prefix caching off)", lambda: run_corekv(loaded, wl_waves, max_new, ignore_eos, False),
+                            args.nocache_w2_runs if wl == "W2" and args.nocache_w2_runs else args.runs))
+        cb_runs = args.cb_w2_runs if wl == "W2" else args.runs
+        if cb_runs:
+            systems.append(("hf continuous batching (generate_batch, sdpa)",
+                            lambda: run_hf_cb(loaded, wl_waves, max_new, ignore_eos, not args.cb_default_pool), cb_runs))
+        reference = None
+        for name, fn, n in systems:
+            if args.systems and not any(k in name for k in args.systems.split(",")):
+                continue
+            sampler.start()
+            results = []
+            for i in range(n):
+                results.append(fn())
+                log(f"{dtype} {wl} {name} run {i}: {results[-1]['total']:.2f} s (waves "
+                    f"{', '.join(f'{w:.2f}' for w in results[-1]['waves'])}), load {os.getloadavg()[0]:.2f}")
+            peak = sampler.stop()
+            if reference is None:
+                reference = results[0]["tokens"]
+            row = summarise(results, reference)
+            row["peak_rss_mib"] = peak / 2**20
+            rows[(wl, name)] = row
+            if args.on_row:
+                args.on_row(dtype, wl, name, row)
+    return rows
+
+
+class _Timed:
+    """Wraps a callable and accumulates its wall time (seconds) in ``total``."""
+
+    def __init__(self, fn):
+        self.fn, self.total = fn, 0.0
+
+    def __call__(self, *a, **kw):
+        t0 = time.perf_counter()
+        try:
+            return self.fn(*a, **kw)
+        finally:
+            self.total += time.perf_counter() - t0
+
+
+def _decoding_engine(loaded, prompts, max_tokens):
+    cfg = Config(engine=EngineConfig(num_blocks=sum(len(p) + max_tokens for p in prompts) // 16 + 64),
+                 cache=CacheConfig(backend="radix"))
+    engine = Engine(cfg, model=loaded)
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    for p in prompts:
+        engine.add_request(p, params)
+    while engine.scheduler.waiting or any(s.num_computed_tokens < s.num_prompt_tokens for s in engine.scheduler.running):
+        engine.step()
+    for _ in range(2):  # past the first decode steps (buffers grown)
+        engine.step()
+    return engine
+
+
+def profile_decode(dtype, log, num_steps=20):
+    """Where a corekv decode step spends its time, for batches of 1, 5 and 32 decoding sequences
+    (W1's and W2's shapes): engine phases timed by wrappers, then torch.profiler by operator with the
+    paged attention function wrapped in a ``record_function``, then cProfile's top Python functions."""
+    from torch.profiler import ProfilerActivity, profile, record_function
+    from transformers import AttentionInterface
+    import corekv.engine.attention as attention
+
+    loaded = load_model("smollm2-135m-instruct", dtype=dtype, device="cpu")
+    original = attention.paged_attention_forward
+
+    def traced(*a, **kw):
+        with record_function("corekv_paged_attention"):
+            return original(*a, **kw)
+
+    report = {}
+    for label, prompts in (("W1 batch 1", w1_prompts(loaded)[:1]), ("W1 batch 5", w1_prompts(loaded)[1:]),
+                           ("W2 batch 32", w2_prompts(loaded))):
+        engine = _decoding_engine(loaded, prompts, 2 + 3 * num_steps + 8)
+        sched, runner = engine.scheduler, engine.runner
+        timers = dict(schedule=_Timed(sched.schedule), execute=_Timed(runner.execute), prepare=_Timed(runner._prepare),
+                      forward=_Timed(runner.model), sample=_Timed(engine._sample), postprocess=_Timed(sched.postprocess))
+        sched.schedule, runner.execute, runner._prepare = timers["schedule"], timers["execute"], timers["prepare"]
+        runner.model, engine._sample, sched.postprocess = timers["forward"], timers["sample"], timers["postprocess"]
+        t0 = time.perf_counter()
+        for _ in range(num_steps):
+            engine.step()
+        step = (time.perf_counter() - t0) / num_steps
+        phases = {k: v.total / num_steps * 1e3 for k, v in timers.items()}
+        log(f"\n== {dtype} {label}: {len(sched.running)} decoding, context ~{sched.running[0].num_tokens} tokens; "
+            f"step {step * 1e3:.1f} ms = " + ", ".join(f"{k} {v:.1f} ms" for k, v in phases.items())
+            + " (execute includes prepare and forward)")
+        AttentionInterface.register(attention.ATTENTION_NAME, traced)
+        try:
+            with profile(activities=[ProfilerActivity.CPU]) as tp:
+                for _ in range(num_steps):
+                    engine.step()
+        finally:
+            AttentionInterface.register(attention.ATTENTION_NAME, original)
+        averages = tp.key_averages()
+        log(averages.table(sort_by="self_cpu_time_total", row_limit=18))
+        attn = next((e for e in averages if e.key == "corekv_paged_attention"), None)
+        matmul = sum(e.self_cpu_time_total for e in averages if e.key in ("aten::mm", "aten::addmm", "aten::bmm", "aten::matmul", "aten::linear")) / num_steps / 1e3
+        attn_ms = attn.cpu_time_total / num_steps / 1e3 if attn else float("nan")
+        ops = sum(e.self_cpu_time_total for e in averages if e.key.startswith("aten::")) / num_steps / 1e3
+        log(f"{label}: per step linear/matmul kernels (self) {matmul:.1f} ms, paged attention (inclusive) "
+            f"{attn_ms:.1f} ms, all aten ops (self) {ops:.1f} ms, of a profiled step "
+            f"{sum(e.self_cpu_time_total for e in averages) / num_steps / 1e3:.1f} ms")
+        prof = cProfile.Profile()
+        prof.enable()
+        for _ in range(num_steps):
+            engine.step()
+        prof.disable()
+        text = io.StringIO()
+        pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(22)
+        log(text.getvalue())
+        report[label] = dict(step_ms=step * 1e3, phases_ms=phases, matmul_ms=matmul, attention_ms=attn_ms, aten_ms=ops)
+        engine.close()
+    return report
+
+
+def render_markdown(data) -> str:
+    """The result tables (one per dtype and workload) and corekv's speed-ups, as markdown."""
+    rows, lines = data["rows"], []
+    groups = {}
+    for key, row in rows.items():
+        dtype, wl, name = key.split("|")
+        groups.setdefault((dtype, wl), []).append((name, row))
+    for (dtype, wl), items in groups.items():
+        wave = " | wave 2 s" if wl == "W1" else ""
+        lines += [f"**{wl}, {dtype}**", "", f"| system | runs | total s (median, min-max){wave} | output tok/s | "
+                  "mean TTFT s | peak RSS MiB | prompt tokens computed | tokens = generate's |",
+                  "|---|---:|---:|" + ("---:|" if wave else "") + "---:|---:|---:|---:|---|"]
+        for name, r in items:
+            w2 = f" | {r['waves_s'][1]:.2f}" if wave else ""
+            computed = r.get("prompt_tokens_computed")
+            computed = " + ".join(map(str, computed)) if isinstance(computed, list) else "-"
+            agree = ("reference" if name.startswith("hf generate") else
+                     "yes" if r["mismatches"] == 0 else
+                     f"{r['mismatches']} of {len(r['first_divergence']) and r['out_tokens'] and r['mismatches']} differ "
+                     f"(first divergence at token {r['first_divergence']})")
+            lines.append(f"| {name} | {r['runs']} | {r['total_s']:.2f} ({r['total_min_s']:.2f}-{r['total_max_s']:.2f}){w2} | "
+                         f"{r['out_tok_s']:.1f} | {r['mean_ttft_s']:.3f} | {r['peak_rss_mib']:.0f} | {computed} | {agree} |")
+        core = dict(items).get("corekv (prefix caching on)")
+        if core:
+            ratios = []
+            for name, r in items:
+                if name.startswith("corekv (prefix caching on)"):
+                    continue
+                text = f"{r['total_s'] / core['total_s']:.1f}x vs {name}"
+                if wave:
+                    text += f" (wave 2: {r['waves_s'][1] / core['waves_s'][1]:.1f}x)"
+                ratios.append(text)
+            lines += ["", "corekv (prefix caching on) total-time speed-up: " + "; ".join(ratios) + "."]
+        lines.append("")
+    return "\n".join(lines)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--dtypes", default="float32,bfloat16")
+    ap.add_argument("--workloads", default="W1,W2")
+    ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--cb-w2-runs", type=int, default=1, help="runs of transformers CB on W2 (slow)")
+    ap.add_argument("--generate-w2-runs", type=int, default=0, help="runs of sequential generate on W2 (default --runs)")
+    ap.add_argument("--nocache-w2-runs", type=int, default=0, help="runs of corekv without caching on W2 (default --runs)")
+    ap.add_argument("--w1-nocache", action="store_true", help="also run corekv on W1 without prefix caching")
+    ap.add_argument("--systems", default="", help="comma-separated substrings of system names to run (default all)")
+    ap.add_argument("--cb-default-pool", action="store_true", help="transformers CB with its default (memory-sized) pool")
+    ap.add_argument("--json", default=None, help="write the rows here")
+    ap.add_argument("--threads", type=int, default=0, help="torch intra-op threads (default: torch's)")
+    ap.add_argument("--profile", action="store_true")
+    ap.add_argument("--render", default=None, help="print the markdown tables of a --json file and exit")
+    args = ap.parse_args()
+    args.workloads = args.workloads.split(",")
+    if args.render:
+        print(render_markdown(json.loads(Path(args.render).read_text())))
+        return
+    torch.set_grad_enabled(False)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    log = lambda m: print(m, file=sys.stderr, flush=True)  # noqa: E731
+    import corekv.engine
+    # NOTE: under benchmarks/snapshot_head.sh the code measured is the snapshot's commit, not the tree's.
+    snapshot = Path(corekv.engine.__file__).parents[3] / "COMMIT"
+    commit = snapshot.read_text().strip() if snapshot.exists() else subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=Path(__file__).parent).stdout.strip()
+    env = dict(commit=commit, engine_path=corekv.engine.__file__, torch=torch.__version__, threads=torch.get_num_threads(),
+               python=sys.version.split()[0], load_start=os.getloadavg())
+    import transformers
+    env["transformers"] = transformers.__version__
+    log(json.dumps(env))
+    if args.profile:
+        reports = {dtype: profile_decode(dtype, log) for dtype in args.dtypes.split(",")}
+        print(json.dumps(dict(env=env, profile=reports), indent=1))
+        if args.json:
+            Path(args.json).write_text(json.dumps(dict(env=env, profile=reports), indent=1))
+        return
+    all_rows = {}
+
+    def on_row(dtype, wl, name, row):  # NOTE: saved as they come, so a cut-short run keeps its rows
+        all_rows[f"{dtype}|{wl}|{name}"] = row
+        env["load_now"] = os.getloadavg()
+        if args.json:
+            Path(args.json).write_text(json.dumps(dict(env=env, rows=all_rows), indent=1))
+
+    args.on_row = on_row
+    for dtype in args.dtypes.split(","):
+        bench_dtype(dtype, args, log)
+    env["load_end"] = os.getloadavg()
+    env["ru_maxrss_mib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    print(json.dumps(dict(env=env, rows=all_rows), indent=1))
+    if args.json:
+        Path(args.json).write_text(json.dumps(dict(env=env, rows=all_rows), indent=1))
+
+
+if __name__ == "__main__":
+    main()
