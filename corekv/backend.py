@@ -20,10 +20,11 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from corekv.errors import CoreKVError
 from corekv.hashing import BlockHash, PrefixKey
 
 
-class PinLimitError(ValueError):
+class PinLimitError(CoreKVError, ValueError):
     """Pinning would take more of the pool than the backend's pin cap allows."""
 
 
