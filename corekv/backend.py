@@ -47,6 +47,12 @@ class BlockEvent:
 EvictCallback = Callable[[list[EvictedBlock]], None]
 
 
+def check_count(name: str, value: object) -> None:
+    """Argument check shared by backends: ``value`` must be an int >= 0 (bools are not counts)."""
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        raise ValueError(f"{name} must be an int >= 0, got {value!r}")
+
+
 class PrefixCacheBackend(ABC):
     """Index of a device pool of ``num_blocks`` blocks of ``block_size`` tokens.
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Sequence
 
-from corekv.backend import BlockEvent, EvictedBlock, PrefixCacheBackend
+from corekv.backend import BlockEvent, EvictedBlock, PrefixCacheBackend, check_count
 from corekv.hashing import BlockHash, PrefixKey
 from corekv.plugin import BackendSpec, Option, hookimpl
 from corekv.plugins._pinning import PinBook, _check_key
@@ -62,7 +62,7 @@ class HashBlockBackend(PrefixCacheBackend):
         hashes = key.block_hashes
         if max_blocks is not None:
             if max_blocks.__class__ is not int or max_blocks < 0:
-                _check_count("max_blocks", max_blocks)
+                check_count("max_blocks", max_blocks)
             hashes = hashes[:max_blocks]
         # NOTE: one C-level pass (map + index) instead of a Python loop per block.
         block_ids = list(map(self._hash_to_block.get, hashes))
@@ -87,7 +87,7 @@ class HashBlockBackend(PrefixCacheBackend):
             ref[b] = r + 1
 
     def allocate(self, num_blocks: int) -> list[int] | None:
-        _check_count("num_blocks", num_blocks)
+        check_count("num_blocks", num_blocks)
         empty, lru, ref = self._empty, self._lru, self._ref
         num_reused = num_blocks - len(empty)
         if num_reused > len(lru):
@@ -247,11 +247,6 @@ class HashBlockBackend(PrefixCacheBackend):
             bad = next(b for b in block_ids if not 0 <= b < self.num_blocks)
             raise ValueError(f"{name} contains block id {bad}, expected ids in "
                              f"[0, {self.num_blocks}); pass ids this backend handed out")
-
-
-def _check_count(name: str, value: object) -> None:
-    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-        raise ValueError(f"{name} must be an int >= 0, got {value!r}")
 
 
 @hookimpl

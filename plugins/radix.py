@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Sequence
 
-from corekv.backend import BlockEvent, EvictCallback, PrefixCacheBackend
+from corekv.backend import BlockEvent, EvictCallback, PrefixCacheBackend, check_count
 from corekv.hashing import BlockHash, PrefixKey
 from corekv.plugin import BackendSpec, Option, hookimpl
 from corekv.plugins._pinning import PinBook, _check_key
@@ -89,7 +89,7 @@ class RadixBackend(RadixTreeOps, PrefixCacheBackend):
         num_pages = len(tokens) // page
         if max_blocks is not None:
             if max_blocks.__class__ is not int or max_blocks < 0:
-                _check_count("max_blocks", max_blocks)
+                check_count("max_blocks", max_blocks)
             num_pages = min(num_pages, max_blocks)
         limit = num_pages * page
         node = self._roots.get(key.namespace)
@@ -124,7 +124,7 @@ class RadixBackend(RadixTreeOps, PrefixCacheBackend):
         self._add_locks(nodes, 1, self._clock)
 
     def allocate(self, num_blocks: int) -> list[int] | None:
-        _check_count("num_blocks", num_blocks)
+        check_count("num_blocks", num_blocks)
         free = self._free
         if num_blocks > len(free):
             if num_blocks > len(free) + self._num_evictable_blocks:
@@ -280,11 +280,6 @@ class RadixBackend(RadixTreeOps, PrefixCacheBackend):
             raise ValueError(f"block_id must be an int in [0, {self.num_blocks}), got {block_id!r}")
         x = self._state[block_id]
         return x if x.__class__ is Node and x.parent is not None else None
-
-
-def _check_count(name: str, value: object) -> None:
-    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-        raise ValueError(f"{name} must be an int >= 0, got {value!r}")
 
 
 @hookimpl
