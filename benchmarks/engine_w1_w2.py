@@ -11,17 +11,14 @@
 Per system and workload: total wall time, output tokens/s, mean TTFT (from the moment a wave is
 submitted, every request of a wave arriving then, to that request's first token), the peak RSS
 sampled while that system ran, and whether its tokens equal sequential ``model.generate``'s.
-``--profile`` instead profiles corekv's decode steps (cProfile + torch.profiler) on W2.
+``--profile`` instead profiles corekv's decode steps (see benchmarks/engine_profile.py).
 """
 from __future__ import annotations
 
 import argparse
 import contextlib
-import cProfile
-import io
 import json
 import os
-import pstats
 import resource
 import statistics
 import subprocess
@@ -256,95 +253,6 @@ def bench_dtype(dtype, args, log):
     return rows
 
 
-class _Timed:
-    """Wraps a callable and accumulates its wall time (seconds) in ``total``."""
-
-    def __init__(self, fn):
-        self.fn, self.total = fn, 0.0
-
-    def __call__(self, *a, **kw):
-        t0 = time.perf_counter()
-        try:
-            return self.fn(*a, **kw)
-        finally:
-            self.total += time.perf_counter() - t0
-
-
-def _decoding_engine(loaded, prompts, max_tokens):
-    cfg = Config(engine=EngineConfig(num_blocks=sum(len(p) + max_tokens for p in prompts) // 16 + 64),
-                 cache=CacheConfig(backend="radix"))
-    engine = Engine(cfg, model=loaded)
-    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
-    for p in prompts:
-        engine.add_request(p, params)
-    while engine.scheduler.waiting or any(s.num_computed_tokens < s.num_prompt_tokens for s in engine.scheduler.running):
-        engine.step()
-    for _ in range(2):  # past the first decode steps (buffers grown)
-        engine.step()
-    return engine
-
-
-def profile_decode(dtype, log, num_steps=20):
-    """Where a corekv decode step spends its time, for batches of 1, 5 and 32 decoding sequences
-    (W1's and W2's shapes): engine phases timed by wrappers, then torch.profiler by operator with the
-    paged attention function wrapped in a ``record_function``, then cProfile's top Python functions."""
-    from torch.profiler import ProfilerActivity, profile, record_function
-    from transformers import AttentionInterface
-    import corekv.engine.attention as attention
-
-    loaded = load_model("smollm2-135m-instruct", dtype=dtype, device="cpu")
-    original = attention.paged_attention_forward
-
-    def traced(*a, **kw):
-        with record_function("corekv_paged_attention"):
-            return original(*a, **kw)
-
-    report = {}
-    for label, prompts in (("W1 batch 1", w1_prompts(loaded)[:1]), ("W1 batch 5", w1_prompts(loaded)[1:]),
-                           ("W2 batch 32", w2_prompts(loaded))):
-        engine = _decoding_engine(loaded, prompts, 2 + 3 * num_steps + 8)
-        sched, runner = engine.scheduler, engine.runner
-        timers = dict(schedule=_Timed(sched.schedule), execute=_Timed(runner.execute), prepare=_Timed(runner._prepare),
-                      forward=_Timed(runner.model), sample=_Timed(engine._sample), postprocess=_Timed(sched.postprocess))
-        sched.schedule, runner.execute, runner._prepare = timers["schedule"], timers["execute"], timers["prepare"]
-        runner.model, engine._sample, sched.postprocess = timers["forward"], timers["sample"], timers["postprocess"]
-        t0 = time.perf_counter()
-        for _ in range(num_steps):
-            engine.step()
-        step = (time.perf_counter() - t0) / num_steps
-        phases = {k: v.total / num_steps * 1e3 for k, v in timers.items()}
-        log(f"\n== {dtype} {label}: {len(sched.running)} decoding, context ~{sched.running[0].num_tokens} tokens; "
-            f"step {step * 1e3:.1f} ms = " + ", ".join(f"{k} {v:.1f} ms" for k, v in phases.items())
-            + " (execute includes prepare and forward)")
-        AttentionInterface.register(attention.ATTENTION_NAME, traced)
-        try:
-            with profile(activities=[ProfilerActivity.CPU]) as tp:
-                for _ in range(num_steps):
-                    engine.step()
-        finally:
-            AttentionInterface.register(attention.ATTENTION_NAME, original)
-        averages = tp.key_averages()
-        log(averages.table(sort_by="self_cpu_time_total", row_limit=18))
-        attn = next((e for e in averages if e.key == "corekv_paged_attention"), None)
-        matmul = sum(e.self_cpu_time_total for e in averages if e.key in ("aten::mm", "aten::addmm", "aten::bmm", "aten::matmul", "aten::linear")) / num_steps / 1e3
-        attn_ms = attn.cpu_time_total / num_steps / 1e3 if attn else float("nan")
-        ops = sum(e.self_cpu_time_total for e in averages if e.key.startswith("aten::")) / num_steps / 1e3
-        log(f"{label}: per step linear/matmul kernels (self) {matmul:.1f} ms, paged attention (inclusive) "
-            f"{attn_ms:.1f} ms, all aten ops (self) {ops:.1f} ms, of a profiled step "
-            f"{sum(e.self_cpu_time_total for e in averages) / num_steps / 1e3:.1f} ms")
-        prof = cProfile.Profile()
-        prof.enable()
-        for _ in range(num_steps):
-            engine.step()
-        prof.disable()
-        text = io.StringIO()
-        pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(22)
-        log(text.getvalue())
-        report[label] = dict(step_ms=step * 1e3, phases_ms=phases, matmul_ms=matmul, attention_ms=attn_ms, aten_ms=ops)
-        engine.close()
-    return report
-
-
 def render_markdown(data) -> str:
     """The result tables (one per dtype and workload) and corekv's speed-ups, as markdown."""
     rows, lines = data["rows"], []
@@ -417,6 +325,8 @@ def main():
     env["transformers"] = transformers.__version__
     log(json.dumps(env))
     if args.profile:
+        from engine_profile import profile_decode  # noqa: PLC0415 (benchmarks/ is sys.path[0])
+
         reports = {dtype: profile_decode(dtype, log) for dtype in args.dtypes.split(",")}
         print(json.dumps(dict(env=env, profile=reports), indent=1))
         if args.json:
