@@ -144,56 +144,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--stats", action="store_true", help="also print the engine's stats (stderr)")
     p.add_argument("--json", action="store_true", help="with --stats: the stats as JSON")
     p.set_defaults(handler=_cmd_warm)
-    _add_store_commands(commands, common)
+    from corekv.cli_store import add_store_commands
+
+    add_store_commands(commands, common)
     return parser
-
-
-def _add_store_commands(commands, common) -> None:
-    store = commands.add_parser("store", parents=[common], help="inspect, verify or clear a store",
-                                **_parser_kwargs(
-                                    "Inspect the persistent tiers (lmdb, fsspec, redis) of a config "
-                                    "without loading the model: every entry's header names its "
-                                    "model, dtype and shape, so stores shared by several models "
-                                    "work. A host tier lives in one process and is skipped.",
-                                    "  corekv store stats --config cache.yaml\n"
-                                    "  corekv store ls --config cache.yaml --limit 20\n"
-                                    "  corekv store verify --config cache.yaml --delete-bad\n"
-                                    "  corekv store clear --config cache.yaml --all-models --yes\n"))
-    sub = store.add_subparsers(dest="store_command", metavar="ACTION", required=True,
-                               parser_class=_Parser)
-    tier_help = "only this tier (its name in cache.tiers; default: every inspectable tier)"
-    for name, help_text, description, examples in (
-            ("stats", "entries, bytes, capacity and models per tier",
-             "Per tier: entries, bytes, capacity, and per model (12-hex-digit fingerprint "
-             "digest) its entries and block layouts (dtype[shape]).",
-             "  corekv store stats\n  corekv store stats --config cache.yaml --json\n"),
-            ("ls", "list entries", "List entries: tier, block hash, size, model, dtype and shape.",
-             "  corekv store ls --limit 10\n  corekv store ls --tier lmdb --json\n"),
-            ("verify", "check every entry's header and checksum",
-             "Read every entry and check its header and checksum (for entries of any model). "
-             "Exits 1 when bad entries are found.",
-             "  corekv store verify\n  corekv store verify --delete-bad\n"),
-            ("clear", "delete entries",
-             "Delete the entries of the config's model (its weights are loaded to compute its "
-             "fingerprint), of --model FP12, or of every model (--all-models). Asks nothing: "
-             "requires --yes.",
-             "  corekv store clear --yes\n  corekv store clear --all-models --yes\n"
-             "  corekv store clear --model 0123456789ab --yes\n")):
-        p = sub.add_parser(name, parents=[common], help=help_text,
-                           **_parser_kwargs(description, examples))
-        p.add_argument("--tier", metavar="NAME", help=tier_help)
-        p.add_argument("--json", action="store_true", help="print JSON")
-        if name == "ls":
-            p.add_argument("--limit", metavar="N", type=_int_at_least(1),
-                           help="list at most N entries per tier")
-        if name == "verify":
-            p.add_argument("--delete-bad", action="store_true", help="delete the bad entries")
-        if name == "clear":
-            p.add_argument("--all-models", action="store_true", help="delete every model's entries")
-            p.add_argument("--model", metavar="FP12",
-                           help="delete this model's entries (as `corekv store stats` shows it)")
-            p.add_argument("--yes", action="store_true", help="really delete (required)")
-        p.set_defaults(handler=_cmd_store)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -205,10 +159,12 @@ def main(argv: list[str] | None = None) -> int:
     except SystemExit as e:  # --help
         return e.code if isinstance(e.code, int) else 0
     debug = getattr(args, "debug", False)
-    if args.handler in (_cmd_generate, _cmd_warm, _cmd_store) and not debug:
+    if args.command in ("generate", "warm", "store") and not debug:
         # NOTE: transformers and its GGUF reader draw tqdm bars while loading, which bury the one
         # line of output. tqdm reads TQDM_* variables when it is imported, so set it first.
         os.environ.setdefault("TQDM_DISABLE", "1")
+        if "transformers" in sys.modules:  # NOTE: imported before main() ran (in-process callers)
+            sys.modules["transformers"].utils.logging.disable_progress_bar()
     logging.basicConfig(level=logging.DEBUG if debug else logging.WARNING,
                         format="%(levelname)s %(name)s: %(message)s")
     try:
@@ -412,121 +368,6 @@ def _progress(items: list, desc: str, unit: str):
         return items
     # NOTE: disable=False explicitly: main() sets TQDM_DISABLE for the model loaders' own bars.
     return tqdm(items, desc=desc, unit=unit, file=sys.stderr, disable=False, leave=False)
-
-
-# -- store ---------------------------------------------------------------------------------------
-def _cmd_store(args: argparse.Namespace) -> int:
-    from corekv import store
-
-    cfg = _load(args)
-    action = args.store_command
-    if action == "clear":
-        if args.all_models and args.model:
-            raise UsageError("--all-models and --model exclude each other; pass one")
-        if not args.yes:
-            raise UsageError("store clear deletes entries and asks no question: add --yes")
-    views, skipped = store.open_views(cfg, args.tier)
-    for line in skipped:
-        print(f"note: skipped tier {line}", file=sys.stderr)
-    try:
-        if action == "stats":
-            return _store_stats(views, args.json)
-        if action == "ls":
-            return _store_ls(views, args.limit, args.json)
-        if action == "verify":
-            return _store_verify(views, args.delete_bad, args.json)
-        model = None if args.all_models else (args.model or _model_fp12(cfg))
-        result = {view.name: store.clear(view, model) for view in views}
-        if args.json:
-            print(json.dumps({"model": model, "deleted": result}, indent=2))
-        else:
-            for name, count in result.items():
-                print(f"{name}: deleted {count} entries of {model or 'every model'}")
-        return 0
-    finally:
-        for view in views:
-            view.close()
-
-
-def _model_fp12(cfg) -> str:
-    """The config's model id as stores key it (loads the weights: the fingerprint hashes them)."""
-    from corekv.block_format import fingerprint_digest
-    from corekv.engine.models import load_model
-    from corekv.engine.tiering import fingerprint_bytes
-    from corekv.plugin import make_plugin_manager
-
-    model = load_model(cfg.model, dtype=cfg.dtype, device="cpu",
-                       plugin_manager=make_plugin_manager(cfg.plugins))
-    return fingerprint_digest(fingerprint_bytes(model.fingerprint)).hex()[:12]
-
-
-def _store_stats(views, as_json: bool) -> int:
-    from corekv import store
-
-    rows = [store.summarize(view) for view in views]
-    if as_json:
-        print(json.dumps(rows, indent=2))
-        return 0
-    for row in rows:
-        capacity = format_size(row["capacity_bytes"]) if row["capacity_bytes"] else "unbounded"
-        print(f"{row['name']} ({row['type']}): {row['entries']} entries, {format_size(row['bytes'])}"
-              f" of {capacity}")
-        for model, info in sorted(row["models"].items()):
-            print(f"  model {model}: {info['entries']} entries, {format_size(info['bytes'])}, "
-                  f"{', '.join(info['layouts']) or 'no readable header'}")
-        if row["unreadable_headers"]:
-            print(f"  {row['unreadable_headers']} entries with unreadable headers "
-                  "(run `corekv store verify`)")
-    return 0
-
-
-def format_size(num_bytes: int) -> str:
-    """Bytes for people: ``1.5 MiB`` (one decimal), ``512 B``."""
-    value, unit = float(num_bytes), "B"
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if value < 1024 or unit == "TiB":
-            break
-        value /= 1024
-    return f"{int(value)} B" if unit == "B" else f"{value:.1f} {unit}"
-
-
-def _store_ls(views, limit: int | None, as_json: bool) -> int:
-    from corekv.block_format import EntryError, read_header
-
-    rows = []
-    for view in views:
-        for i, entry in enumerate(view.entries()):
-            if limit is not None and i >= limit:
-                break
-            try:
-                header = read_header(entry.data)
-                dtype, shape = header.dtype, list(header.shape)
-            except EntryError:
-                dtype, shape = "?", []
-            rows.append({"tier": view.name, "key": entry.key.hex(), "bytes": len(entry.data),
-                         "model": entry.model, "dtype": dtype, "shape": shape})
-    if as_json:
-        print(json.dumps(rows, indent=2))
-    else:
-        _print_table("Entries", ("TIER", "KEY", "BYTES", "MODEL", "DTYPE", "SHAPE"),
-                     [(r["tier"], r["key"], r["bytes"], r["model"], r["dtype"], r["shape"])
-                      for r in rows])
-    return 0
-
-
-def _store_verify(views, delete_bad: bool, as_json: bool) -> int:
-    from corekv import store
-
-    results = [store.verify(view, delete_bad=delete_bad) for view in views]
-    if as_json:
-        print(json.dumps(results, indent=2))
-    else:
-        for r in results:
-            deleted = f", {r['deleted']} deleted" if delete_bad else ""
-            print(f"{r['name']}: {r['good']} good, {r['bad']} bad{deleted}")
-            for bad in r["bad_entries"]:
-                print(f"  bad {bad['key']} (model {bad['model']}): {bad['reason']}")
-    return EXIT_RUNTIME if any(r["bad"] for r in results) else 0
 
 
 # -- argument types ------------------------------------------------------------------------------

@@ -278,3 +278,34 @@ def test_a_runtime_error_from_the_engine_is_one_line_with_exit_code_1(tmp_path):
     assert result.returncode == 1
     line = one_line_error(result.stderr)
     assert str(missing) in line and "Traceback" not in result.stderr
+
+
+def test_bench_draws_a_progress_bar_only_on_a_terminal(tmp_path):
+    """stderr on a real pseudo-terminal (with a size, as a terminal window has) vs a pipe."""
+    import fcntl
+    import pty
+    import struct
+    import termios
+
+    leader, follower = pty.openpty()
+    fcntl.ioctl(follower, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 100, 0, 0))
+    args = [str(SCRIPT), "bench", "hit-rate", "--workloads", "multi_turn,parallel"]
+    try:
+        result = subprocess.run(args, stdout=subprocess.PIPE, stderr=follower, timeout=600)
+    finally:
+        os.close(follower)
+    drawn = b""
+    while True:
+        try:
+            chunk = os.read(leader, 65536)
+        except OSError:  # the terminal closed: everything was read
+            break
+        if not chunk:
+            break
+        drawn += chunk
+    os.close(leader)
+    assert result.returncode == 0
+    assert b"hit-rate:" in drawn and b"2/2" in drawn
+    piped = run("bench", "hit-rate", "--workloads", "multi_turn,parallel")
+    assert piped.returncode == 0 and piped.stderr == ""
+    assert piped.stdout.encode() == result.stdout

@@ -183,18 +183,86 @@ def by_tier(stderr: str) -> dict[str, int]:
     return {k: int(v) for k, v in (pair.split("=") for pair in pairs if pair != "none")}
 
 
-def test_generate_stats_shows_lmdb_hits_in_a_second_process(tmp_path, tiny_folder):
+def test_generate_stats_shows_lmdb_hits_in_a_second_process(tmp_path, tiny_folder, capsys):
+    """The first run is a real separate process; the later ones run in this process (a new
+    Engine, so an empty device pool: every reused token must come from LMDB)."""
     path = write_config(tmp_path, tiny_folder)
-    args = ("generate", "--config", str(path), "--prompt", PROMPTS[1], "--max-tokens", "3", "--stats")
-    first, second = run(*args, cwd=tmp_path), run(*args, cwd=tmp_path)
-    assert first.returncode == 0 and second.returncode == 0, first.stderr + second.stderr
-    assert first.stdout == second.stdout  # same answer whether the prefix was recomputed or reloaded
+    args = ("generate", "--config", str(path), "--prompt", PROMPTS[1], "--max-tokens", "3")
+    first = run(*args, "--stats", cwd=tmp_path)
+    assert first.returncode == 0, first.stderr
     assert by_tier(first.stderr).get("lmdb", 0) == 0
-    reloaded = by_tier(second.stderr)["lmdb"]
+    assert main([*args, "--stats"]) == 0
+    second = capsys.readouterr()
+    assert second.out == first.stdout  # same answer whether the prefix was recomputed or reloaded
+    reloaded = by_tier(second.err)["lmdb"]
     assert reloaded > 0 and reloaded % 4 == 0  # whole blocks of block_size 4
-    assert f"cached tokens: {reloaded} of " in second.stderr
-    assert any(line.startswith("time to first token: ") for line in second.stderr.splitlines())
-    result = run(*args[:-1], "--json", cwd=tmp_path)
-    data = json.loads(result.stdout)
+    assert f"cached tokens: {reloaded} of " in second.err
+    assert any(line.startswith("time to first token: ") for line in second.err.splitlines())
+    assert main([*args, "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["text"] + "\n" == first.stdout
     assert data["cached_tokens_by_tier"]["lmdb"] == reloaded
     assert data["stats"]["tiers"] and data["stats"]["prompt_tokens_reused"] == reloaded
+
+
+def test_warm_several_prompts_prints_the_total_and_the_stats_as_json(tmp_path, tiny_folder, capsys):
+    path = write_config(tmp_path, tiny_folder)
+    prompts_file = tmp_path / "prompts.txt"
+    prompts_file.write_text(PROMPTS[0] + "\n\n")
+    assert main(["warm", "--config", str(path), "--prompts-file", str(prompts_file),
+                 "--prompt", PROMPTS[1], "--stats", "--json"]) == 0
+    captured = capsys.readouterr()
+    count = int(captured.out.removeprefix("warmed ").removesuffix(" prompt tokens in 2 prompts\n"))
+    stats = json.loads(captured.err)
+    assert count > 0 and count % 4 == 0
+    assert stats["prompt_tokens"] >= count and "lmdb" in stats["tiers"]
+
+
+# -- the other persistent tiers, filled by their real tier classes (no engine needed) ---------------
+def fill(tier_cls, options: dict, fingerprint: bytes, num: int) -> str:
+    with tier_cls(**options, block_bytes=32, fingerprint=fingerprint, dtype="float32",
+                  shape=(2, 4)) as tier:
+        assert tier.put([(bytes([i + 1]) * 16, bytes([i]) * 32) for i in range(num)]) == num
+        return tier.fp12
+
+
+@pytest.mark.parametrize("kind", ["fsspec", "redis"])
+def test_store_commands_on_fsspec_and_redis(kind, tmp_path, capsys, request):
+    if kind == "fsspec":
+        from corekv.tiers.fsspec import FsspecTier as tier_cls
+
+        options = {"url": f"file://{tmp_path / 'fs'}"}
+    else:
+        from redis_server import RedisServer
+
+        from corekv.tiers.redis import RedisTier as tier_cls
+
+        server = RedisServer(tmp_path).start()
+        request.addfinalizer(server.stop)
+        options = {"url": server.url}
+    fp_a, fp_b = fill(tier_cls, options, b"model-a", 3), fill(tier_cls, options, b"model-b", 2)
+    path = tmp_path / "cache.yaml"
+    path.write_text(yaml.safe_dump({"cache": {"tiers": [{"type": kind, **options}]}}))
+    code, [row] = store_json(capsys, "stats", "--config", str(path))
+    assert code == 0 and row["entries"] == 5
+    assert {m: (i["entries"], i["layouts"]) for m, i in row["models"].items()} == {
+        fp_a: (3, ["float32[2, 4]"]), fp_b: (2, ["float32[2, 4]"])}
+    # corrupt one entry of model b in the store's own way
+    if kind == "fsspec":
+        victim = next(p for p in (tmp_path / "fs" / fp_b).rglob("*") if p.is_file())
+        victim.write_bytes(victim.read_bytes()[:-1])  # truncated
+    else:
+        import redis
+
+        client = redis.Redis.from_url(server.url)
+        key = next(client.scan_iter(match=f"corekv:{fp_b}:*"))
+        client.set(key, client.get(key)[:-1])
+        client.close()
+    code, [checked] = store_json(capsys, "verify", "--config", str(path), "--delete-bad")
+    assert code == 1 and (checked["good"], checked["bad"], checked["deleted"]) == (4, 1, 1)
+    assert checked["bad_entries"][0]["model"] == fp_b
+    assert checked["bad_entries"][0]["reason"].startswith("truncated")
+    code, result = store_json(capsys, "clear", "--config", str(path), "--model", fp_a, "--yes")
+    assert result["deleted"] == {kind: 3}
+    code, [row] = store_json(capsys, "stats", "--config", str(path))
+    assert row["entries"] == 1 and set(row["models"]) == {fp_b}
