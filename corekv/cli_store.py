@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 
 from corekv.cli import (EXIT_RUNTIME, UsageError, _int_at_least, _load, _Parser, _parser_kwargs,
@@ -69,6 +70,9 @@ def cmd_store(args: argparse.Namespace) -> int:
     if action == "clear":
         if args.all_models and args.model:
             raise UsageError("--all-models and --model exclude each other; pass one")
+        if args.model is not None and not re.fullmatch(r"[0-9a-f]{12}", args.model):
+            raise UsageError(f"--model: got {args.model!r}; expected the 12 hex digits "
+                             "`corekv store stats` shows for a model")
         if not args.yes:
             raise UsageError("store clear deletes entries and asks no question: add --yes")
     views, skipped = store.open_views(cfg, args.tier)

@@ -99,11 +99,12 @@ class LMDBView(StoreView):
         self._access = self.env.open_db(b"access")
 
     def entries(self):
+        # NOTE: streamed inside one read transaction (a snapshot; writers are not blocked), so a
+        # 20 GiB store is never held in memory; callers delete only after iterating.
         with self.env.begin() as txn:
-            items = list(txn.cursor(db=self._blocks))
-        for db_key, data in items:
-            yield StoredEntry(db_key, db_key[_LMDB_KEY_PREFIX_BYTES:],
-                              db_key[:_LMDB_KEY_PREFIX_BYTES].hex(), data)
+            for db_key, data in txn.cursor(db=self._blocks):
+                yield StoredEntry(db_key, db_key[_LMDB_KEY_PREFIX_BYTES:],
+                                  db_key[:_LMDB_KEY_PREFIX_BYTES].hex(), data)
 
     def delete(self, refs):
         with self.env.begin(write=True) as txn:

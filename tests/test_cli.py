@@ -118,6 +118,8 @@ def test_a_broken_plugin_is_a_runtime_error_naming_it(tmp_path):
      "'/definitely/not/here.txt'); pass a text file with one prompt per line"),
     (["store", "clear", "--all-models", "--model", "0123456789ab", "--yes"],
      "--all-models and --model exclude each other; pass one"),
+    (["store", "clear", "--model", "abc", "--yes"],
+     "--model: got 'abc'; expected the 12 hex digits `corekv store stats` shows for a model"),
     (["store", "ls", "--limit", "0"],
      "argument --limit: got 0; expected an integer >= 1 (see 'corekv store ls --help')"),
     (["bench", "hit-rate", "--capacity", "32"],
