@@ -271,8 +271,8 @@ def render_markdown(data) -> str:
             computed = " + ".join(map(str, computed)) if isinstance(computed, list) else "-"
             agree = ("reference" if name.startswith("hf generate") else
                      "yes" if r["mismatches"] == 0 else
-                     f"{r['mismatches']} of {len(r['first_divergence']) and r['out_tokens'] and r['mismatches']} differ "
-                     f"(first divergence at token {r['first_divergence']})")
+                     f"{r['mismatches']} of {len(QUESTIONS) if wl == 'W1' else W2_PROMPTS} requests differ "
+                     f"(first differing output token: {', '.join(map(str, r['first_divergence']))})")
             lines.append(f"| {name} | {r['runs']} | {r['total_s']:.2f} ({r['total_min_s']:.2f}-{r['total_max_s']:.2f}){w2} | "
                          f"{r['out_tok_s']:.1f} | {r['mean_ttft_s']:.3f} | {r['peak_rss_mib']:.0f} | {computed} | {agree} |")
         core = dict(items).get("corekv (prefix caching on)")
