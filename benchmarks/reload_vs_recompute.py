@@ -7,18 +7,23 @@ SmolLM2-135M-Instruct, float32, loaded once and shared by every engine of the ru
 16, so a hit covers exactly the prefix and the suffix is always computed; ``max_tokens=1``, so TTFT
 is the request's whole time (``RequestOutput.ttft_s``, arrival to first token).
 
-Per prefix size and tier kind (``host``, ``lmdb``, ``redis``), one engine with that tier alone:
+Per prefix size, one engine with the tiers ``host``, ``lmdb``, ``redis`` (in that order; a
+redis-server started on a free loopback port, LMDB in a temporary directory, ``sync: false``),
+device pool = the prompt's blocks + 8. One untimed warm-up request first (first-forward costs).
+Each of ``--runs`` runs uses a fresh ``cache_salt``, so its prefix is cached nowhere:
 
-* (a) recompute: the engine's first request (nothing cached anywhere; lmdb / redis are empty);
+* (a) recompute: the first request of the run (nothing cached on the device or in any tier);
 * (b) device: the same prompt again (the prefix hits in the device pool);
-* (c-e) reload: the device copy is evicted, then the same prompt again (the prefix reloads from
-  the tier). Eviction takes every block of the pool through the backend's own
-  ``allocate(num_free_blocks)`` and hands them back with ``free``: the backend evicts the cached
-  prefix exactly as a filler request would (write-back offload included) without spending a
-  filler's prefill; then ``cache_manager.flush()`` waits for the background writer.
-* lmdb cold: the engine is closed (LMDB unmapped), ``posix_fadvise(DONTNEED)`` drops the data
-  file's pages from the page cache (``fincore`` reports the resident bytes before and after),
-  and a fresh engine with the same config reloads the prefix from disk.
+* (c-e) reload from host, lmdb, redis: the device copy is evicted, the tiers above the one
+  measured drop the prefix's blocks (``Tier.delete``), then the same prompt again (the prefix
+  must reload from that tier, and its tokens must equal (a)'s). Eviction takes every block of
+  the pool through the backend's own ``allocate(num_free_blocks)`` and hands them back with
+  ``free``: the backend evicts the cached prefix exactly as a filler request would (write-back
+  offload to every tier lacking it) without spending a filler's prefill; then
+  ``cache_manager.flush()`` waits for the background writer.
+* (d') lmdb cold: after the runs the engine is closed (LMDB unmapped), ``posix_fadvise(DONTNEED)``
+  drops the data file's pages from the page cache (``fincore`` prints the resident bytes before
+  and after), and a fresh engine with the LMDB tier alone reloads every run's prefix from disk.
 
 The reload bandwidth is the bytes loaded / the time of ``CacheManager.load`` (timed by wrapping
 the real method); memcpy is ``torch.Tensor.copy_`` of the same number of bytes between two
