@@ -107,7 +107,9 @@ def evict_all(engine: Engine) -> None:
 def make_config(tiers: tuple[TierConfig, ...], num_blocks: int, budget: int) -> Config:
     return Config(model="smollm2-135m-instruct", dtype="float32", device="cpu",
                   engine=EngineConfig(num_blocks=num_blocks, block_size=BLOCK, max_num_batched_tokens=budget),
-                  cache=CacheConfig(backend="radix", tiers=tiers))
+                  # NOTE: an eviction batch larger than offload_queue_blocks (default 256) is
+                  # skipped whole by CacheManager._enqueue; a 4K prefix is 257 blocks.
+                  cache=CacheConfig(backend="radix", tiers=tiers, offload_queue_blocks=1024))
 
 
 def tier_cfg(kind: str, workdir: str, redis_url: str, tier_bytes: int) -> TierConfig:
