@@ -129,11 +129,7 @@ class EntryCodec:
             self._raise_header_mismatch(view)
         if view.nbytes != self.entry_bytes:
             raise EntryError(EntryFault.TRUNCATED, f"{view.nbytes} bytes, expected {self.entry_bytes}")
-        digest = xxhash.xxh3_64()
-        digest.update(view[:_CHECKED])
-        digest.update(view[HEADER_SIZE:])
-        if digest.intdigest() != int.from_bytes(view[_CHECKED:HEADER_SIZE], "little"):
-            raise EntryError(EntryFault.CHECKSUM, "checksum does not match the entry's bytes")
+        _check_checksum(view)
         return view[HEADER_SIZE:]
 
     def _raise_header_mismatch(self, view: memoryview) -> None:
@@ -180,6 +176,36 @@ def read_header(data) -> EntryHeader:
     return EntryHeader(version=version, dtype=_CODE_TO_DTYPE.get(code, f"unknown({code})"),
                        shape=tuple(rest[:min(ndim, MAX_DIMS)]), model_digest=model,
                        payload_bytes=rest[MAX_DIMS])
+
+
+def check_entry(data) -> EntryHeader:
+    """Check an entry of *any* model (``corekv store verify``): a known format version and dtype,
+    a shape that matches the payload length, the full length, and the checksum.
+
+    :returns: the entry's header; raises :class:`EntryError` naming the first fault.
+    """
+    header = read_header(data)
+    view = memoryview(data).cast("B")
+    if header.version != FORMAT_VERSION:
+        raise EntryError(EntryFault.VERSION, f"format version {header.version}, expected {FORMAT_VERSION}")
+    if header.dtype not in DTYPES:
+        raise EntryError(EntryFault.DTYPE, f"unknown dtype {header.dtype}")
+    if not header.shape or header.payload_bytes != nbytes_of(header.dtype, header.shape):
+        raise EntryError(EntryFault.SHAPE, f"shape {header.shape} of {header.dtype} does not match "
+                         f"payload length {header.payload_bytes}")
+    if view.nbytes != HEADER_SIZE + header.payload_bytes:
+        raise EntryError(EntryFault.TRUNCATED, f"{view.nbytes} bytes, expected "
+                         f"{HEADER_SIZE + header.payload_bytes}")
+    _check_checksum(view)
+    return header
+
+
+def _check_checksum(view: memoryview) -> None:
+    digest = xxhash.xxh3_64()
+    digest.update(view[:_CHECKED])
+    digest.update(view[HEADER_SIZE:])
+    if digest.intdigest() != int.from_bytes(view[_CHECKED:HEADER_SIZE], "little"):
+        raise EntryError(EntryFault.CHECKSUM, "checksum does not match the entry's bytes")
 
 
 def encode_entry(payload, *, fingerprint: bytes | str, dtype: str, shape: Sequence[int]) -> bytes:

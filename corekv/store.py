@@ -5,7 +5,7 @@ check come from the model fingerprint, which is a digest of the weights), so it 
 store shared by several models, and opening it would mean loading the weights. The store tools
 therefore read each tier's storage directly, entry by entry, and trust nothing but the entries
 themselves: every entry's header (:func:`corekv.block_format.read_header`) names its model
-digest, dtype and shape, and :func:`check_entry` verifies it *self-consistently* (magic, version,
+digest, dtype and shape, and :func:`corekv.block_format.check_entry` verifies it *self-consistently* (magic, version,
 dtype, shape vs length, checksum). That works for entries of any model in the store.
 
 Each persistent tier type needs a small :class:`StoreView` here (lmdb, fsspec, redis); the
@@ -13,18 +13,14 @@ Each persistent tier type needs a small :class:`StoreView` here (lmdb, fsspec, r
 """
 from __future__ import annotations
 
-import math
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-import xxhash
 
-from corekv.block_format import (DTYPES, FORMAT_VERSION, HEADER_SIZE, EntryError, EntryFault,
-                                 read_header)
+from corekv.block_format import EntryError, check_entry, read_header
 from corekv.errors import ConfigError
 
-_CHECKED = HEADER_SIZE - 8  # NOTE: the header's checksum covers its first 64 bytes + the payload
 _LMDB_KEY_PREFIX_BYTES = 6  # tiers/lmdb.py keys entries as model digest[:6] + block hash
 
 
@@ -36,31 +32,6 @@ class StoredEntry:
     key: bytes
     model: str
     data: bytes
-
-
-def check_entry(data) -> None:
-    """Raise :class:`EntryError` unless ``data`` is a well-formed entry of *some* model.
-
-    NOTE: this repeats EntryCodec.decode's checks without knowing the model fingerprint (only its
-    digest is stored); block_format offers no model-free check yet.
-    """
-    header = read_header(data)
-    view = memoryview(data).cast("B")
-    if header.version != FORMAT_VERSION:
-        raise EntryError(EntryFault.VERSION, f"format version {header.version}, expected {FORMAT_VERSION}")
-    if header.dtype not in DTYPES:
-        raise EntryError(EntryFault.DTYPE, f"unknown dtype {header.dtype}")
-    if not header.shape or header.payload_bytes != math.prod(header.shape) * DTYPES[header.dtype][1]:
-        raise EntryError(EntryFault.SHAPE, f"shape {header.shape} of {header.dtype} does not match "
-                         f"payload length {header.payload_bytes}")
-    if view.nbytes != HEADER_SIZE + header.payload_bytes:
-        raise EntryError(EntryFault.TRUNCATED, f"{view.nbytes} bytes, expected "
-                         f"{HEADER_SIZE + header.payload_bytes}")
-    digest = xxhash.xxh3_64()
-    digest.update(view[:_CHECKED])
-    digest.update(view[HEADER_SIZE:])
-    if digest.intdigest() != int.from_bytes(view[_CHECKED:HEADER_SIZE], "little"):
-        raise EntryError(EntryFault.CHECKSUM, "checksum does not match the entry's bytes")
 
 
 class StoreView:
