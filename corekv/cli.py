@@ -1,4 +1,4 @@
-"""The ``corekv`` command line: ``plugins``, ``config``, ``bench hit-rate``, ``generate``, ``warm``,
+"""The ``corekv`` command line: ``plugins``, ``config``, ``bench hit-rate|plot-reload``, ``generate``, ``warm``,
 ``store stats|ls|verify|clear``.
 
 Config: ``--config FILE``, else ``$COREKV_CONFIG``, else the packaged ``corekv/defaults.yaml`` (the
@@ -100,7 +100,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--capacity", metavar="TOKENS", type=_int_at_least(1),
                    help="device pool size in tokens (default: unbounded, nothing evicted)")
     p.add_argument("--json", action="store_true", help="print the rows as JSON")
+    p.add_argument("--out", metavar="DIR",
+                   help="also write DIR/hit_rate.json, DIR/hit_rate.md and (with matplotlib) DIR/hit_rate.png")
     p.set_defaults(handler=_cmd_bench_hit_rate)
+
+    p = bench_commands.add_parser("plot-reload", parents=[common], help="plot reload vs recompute TTFT",
+                                  **_parser_kwargs(
+                                      "Plot the TTFT of each reload path against prefix length from the\n"
+                                      "JSON of benchmarks/reload_vs_recompute.py (needs corekv[plots]).",
+                                      "  corekv bench plot-reload --json rvr.json --out results\n"
+                                      "  corekv bench plot-reload --json a.json --json b.json --out docs/img\n"))
+    p.add_argument("--json", metavar="FILE", action="append", required=True,
+                   help="a results file (repeat to merge several; a later file wins per prefix length)")
+    p.add_argument("--out", metavar="DIR", required=True, help="writes DIR/reload_ttft.png")
+    p.set_defaults(handler=_cmd_bench_plot_reload)
 
     p = commands.add_parser("generate", parents=[common], help="generate text for one prompt",
                             **_parser_kwargs(
@@ -286,6 +299,45 @@ def _cmd_bench_hit_rate(args: argparse.Namespace) -> int:
     rows = [row for name in _progress(list(workloads), "hit-rate", unit="workload")
             for row in bench.hit_rate_table({name: workloads[name]}, capacity=args.capacity)]
     print(json.dumps(rows, indent=2) if args.json else bench.format_table(rows))
+    if args.out is not None:
+        _write_hit_rate_results(rows, args.out)
+    return 0
+
+
+def _write_hit_rate_results(rows: list[dict[str, Any]], out: str) -> None:
+    from pathlib import Path
+
+    from corekv import bench, plots
+
+    directory = Path(out)
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise UsageError(f"--out: cannot create directory {out!r} ({exc}); pass a writable directory")
+    (directory / "hit_rate.json").write_text(json.dumps(rows, indent=2) + "\n")
+    (directory / "hit_rate.md").write_text("```\n" + bench.format_table(rows) + "\n```\n")
+    written = ["hit_rate.json", "hit_rate.md"]
+    if plots.have_matplotlib():
+        plots.plot_hit_rate(rows, directory / "hit_rate.png")
+        written.append("hit_rate.png")
+    else:
+        print(f"corekv: no hit_rate.png: {plots.PLOTS_HINT} for the plot", file=sys.stderr)
+    print(f"wrote {', '.join(written)} to {directory}", file=sys.stderr)
+
+
+def _cmd_bench_plot_reload(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from corekv import plots
+
+    if not plots.have_matplotlib():
+        raise UsageError(f"bench plot-reload needs matplotlib: {plots.PLOTS_HINT}")
+    try:
+        rows = plots.merge_reload_rows(*args.json)
+    except ValueError as exc:
+        raise UsageError(f"--json: {exc}") from exc
+    path = plots.plot_reload(rows, Path(args.out) / "reload_ttft.png")
+    print(f"wrote {path}", file=sys.stderr)
     return 0
 
 
@@ -367,7 +419,9 @@ def _progress(items: list, desc: str, unit: str):
     except ImportError:
         return items
     # NOTE: disable=False explicitly: main() sets TQDM_DISABLE for the model loaders' own bars.
-    return tqdm(items, desc=desc, unit=unit, file=sys.stderr, disable=False, leave=False)
+    # mininterval=0: items are few and slow, so redraw on each one (tqdm's default 0.1 s throttle
+    # skips every update of a run that finishes fast, leaving only "0/N" ever drawn).
+    return tqdm(items, desc=desc, unit=unit, file=sys.stderr, disable=False, leave=False, mininterval=0)
 
 
 # -- argument types ------------------------------------------------------------------------------
