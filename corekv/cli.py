@@ -1,5 +1,5 @@
-"""The ``corekv`` command line: ``plugins``, ``config``, ``bench hit-rate|plot-reload``, ``generate``, ``warm``,
-``store stats|ls|verify|clear``.
+"""The ``corekv`` command line: ``plugins``, ``config``, ``bench hit-rate|plot-reload``,
+``generate``, ``warm``, ``store stats|ls|verify|clear``.
 
 Config: ``--config FILE``, else ``$COREKV_CONFIG``, else the packaged ``corekv/defaults.yaml`` (the
 default model plus an lmdb tier at ``./kvstore``, so two runs of the same prompt share its
@@ -101,10 +101,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="device pool size in tokens (default: unbounded, nothing evicted)")
     p.add_argument("--json", action="store_true", help="print the rows as JSON")
     p.add_argument("--out", metavar="DIR",
-                   help="also write DIR/hit_rate.json, DIR/hit_rate.md and (with matplotlib) DIR/hit_rate.png")
+                   help="also write DIR/hit_rate.json, DIR/hit_rate.md and (with matplotlib) "
+                        "DIR/hit_rate.png")
     p.set_defaults(handler=_cmd_bench_hit_rate)
 
-    p = bench_commands.add_parser("plot-reload", parents=[common], help="plot reload vs recompute TTFT",
+    p = bench_commands.add_parser("plot-reload", parents=[common],
+                                  help="plot reload vs recompute TTFT",
                                   **_parser_kwargs(
                                       "Plot the TTFT of each reload path against prefix length from the\n"
                                       "JSON of benchmarks/reload_vs_recompute.py (needs corekv[plots]).",
@@ -421,7 +423,8 @@ def _progress(items: list, desc: str, unit: str):
     # NOTE: disable=False explicitly: main() sets TQDM_DISABLE for the model loaders' own bars.
     # mininterval=0: items are few and slow, so redraw on each one (tqdm's default 0.1 s throttle
     # skips every update of a run that finishes fast, leaving only "0/N" ever drawn).
-    return tqdm(items, desc=desc, unit=unit, file=sys.stderr, disable=False, leave=False, mininterval=0)
+    return tqdm(items, desc=desc, unit=unit, file=sys.stderr, disable=False, leave=False,
+                mininterval=0)
 
 
 # -- argument types ------------------------------------------------------------------------------
