@@ -30,7 +30,7 @@ BlockHash = bytes
 Payload = memoryview  # a read-only view of a block's validated bytes; bytes(p) copies it
 STAT_NAMES = ("hits", "misses", "bytes_read", "bytes_written", "puts", "skips", "evictions",
               "faults", "errors")
-logger = logging.getLogger("corekv.tier")
+logger = logging.getLogger(__name__)
 
 
 class Tier(ABC):

@@ -13,7 +13,7 @@ from fsspec.implementations.local import LocalFileSystem
 from corekv.plugin import Option, TierSpec, hookimpl
 from corekv.tier import BlockHash, Tier
 
-logger = logging.getLogger("corekv.tier")
+logger = logging.getLogger(__name__)
 _TMP_MARK = ".tmp-"
 
 

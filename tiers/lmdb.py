@@ -12,7 +12,7 @@ import lmdb
 from corekv.plugin import Option, TierSpec, hookimpl
 from corekv.tier import BlockHash, Tier
 
-logger = logging.getLogger("corekv.tier")
+logger = logging.getLogger(__name__)
 _open_paths: set[str] = set()
 _open_paths_lock = threading.Lock()
 _KEY_PREFIX_BYTES = 6

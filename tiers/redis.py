@@ -13,7 +13,7 @@ from collections.abc import Iterator, Sequence
 from corekv.plugin import Option, TierSpec, hookimpl
 from corekv.tier import BlockHash, Tier
 
-logger = logging.getLogger("corekv.tier")
+logger = logging.getLogger(__name__)
 
 
 class RedisTier(Tier):
