@@ -53,7 +53,8 @@ class CacheManager:
     """Moves whole blocks between the device pool and an ordered list of tiers.
 
     Invariants: a block reloaded into the pool holds exactly the bytes that were offloaded (the
-    tier validated them); the offload queue never holds more than ``queue_blocks`` blocks; tier
+    tier validated them); the offload queue holds at most ``queue_blocks`` blocks, or one batch if
+    that batch alone is larger; tier
     failures never raise into the engine (the tiers count them as misses, skips or faults).
     """
 
@@ -249,7 +250,10 @@ class CacheManager:
 
     def _enqueue(self, hashes: Sequence[BlockHash], block_ids: Sequence[int], tiers: list[Tier]) -> None:
         with self._queue_lock:
-            if self._queued_blocks + len(hashes) > self.queue_blocks:
+            # NOTE: an empty queue takes any one batch, even past the bound: one eviction batch
+            # is at most the pool, and dropping it whole would keep long prefixes (a 4K prompt
+            # is 257 blocks of 16) out of the tiers for good.
+            if self._queued_blocks and self._queued_blocks + len(hashes) > self.queue_blocks:
                 for tier in tiers:
                     self.counters[f"{tier.name}.offload_skips"] += len(hashes)
                 return

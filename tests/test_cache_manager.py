@@ -123,15 +123,45 @@ def test_offload_min_hits_keeps_never_reused_blocks_off_the_tiers():
     manager.close()
 
 
+class GatedHostTier(HostTier):
+    """A real host tier whose writes wait for a gate, so a test can hold the offload queue full."""
+
+    def __init__(self, gate, **kwargs):
+        super().__init__(**kwargs)
+        self.gate = gate
+
+    def _write_entries(self, items):
+        self.gate.wait(timeout=30)
+        return super()._write_entries(items)
+
+
 def test_a_full_offload_queue_skips_and_counts_instead_of_waiting():
+    import threading
+
+    pool = make_pool()
+    gate = threading.Event()
+    host = GatedHostTier(gate, size=8 * 4096, **tier_kwargs(pool))
+    manager = CacheManager([host], pool, queue_blocks=2)
+    key = make_key(3)
+    evicted = [EvictedBlock(h, b) for h, b in zip(key.block_hashes, [0, 1, 2])]
+    manager.on_evict(evicted[:2])  # fills the queue; the writer is held at the gate
+    manager.on_evict(evicted[2:])  # no room: skipped and counted, on_evict returns at once
+    gate.set()
+    manager.flush()
+    assert manager.stats()["host"]["offload_skips"] == 1
+    assert host.exists(key.block_hashes) == 2
+    manager.close()
+
+
+def test_an_empty_queue_takes_a_batch_larger_than_its_bound():
     pool = make_pool()
     host = HostTier(size=8 * 4096, **tier_kwargs(pool))
     manager = CacheManager([host], pool, queue_blocks=2)
     key = make_key(3)
     manager.on_evict([EvictedBlock(h, b) for h, b in zip(key.block_hashes, [0, 1, 2])])
     manager.flush()
-    assert manager.stats()["host"]["offload_skips"] == 3
-    assert host.num_entries == 0
+    assert manager.stats()["host"]["offload_skips"] == 0
+    assert host.exists(key.block_hashes) == 3
     manager.close()
 
 
