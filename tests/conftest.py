@@ -1,4 +1,19 @@
-"""Session-wide test settings: keep plugin loading hermetic (only corekv's own entry points)."""
+"""Session-wide test settings and fixtures: keep plugin loading hermetic (only corekv's own entry
+points) and save the tiny model once for the tests that start engines from a model folder."""
 import os
 
+import pytest
+
 os.environ.setdefault("COREKV_DISABLE_PLUGIN_AUTOLOAD", "1")
+
+
+@pytest.fixture(scope="session")
+def tiny_model_folder(tmp_path_factory):
+    """A tiny random Llama and its byte tokenizer, saved as a Hugging Face model folder."""
+    from corekv.engine.models import make_tiny_llama
+
+    folder = tmp_path_factory.mktemp("tiny-llama")
+    tiny = make_tiny_llama()
+    tiny.model.save_pretrained(folder)
+    tiny.tokenizer.save_pretrained(folder)
+    return folder

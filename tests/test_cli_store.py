@@ -17,7 +17,6 @@ import corekv
 from corekv.block_format import HEADER_SIZE, fingerprint_digest
 from corekv.cli import main
 from corekv.config import load_config
-from corekv.engine.models import make_tiny_llama
 from corekv.engine.tiering import fingerprint_bytes
 
 SCRIPT = Path(sys.executable).with_name("corekv")
@@ -31,13 +30,9 @@ def run(*args: str, cwd: Path, env: dict[str, str] | None = None) -> subprocess.
                           env={**full_env, **(env or {})}, timeout=300)
 
 
-@pytest.fixture(scope="module")
-def tiny_folder(tmp_path_factory) -> str:
-    folder = tmp_path_factory.mktemp("tiny-llama")
-    tiny = make_tiny_llama()
-    tiny.model.save_pretrained(folder)
-    tiny.tokenizer.save_pretrained(folder)
-    return str(folder)
+@pytest.fixture
+def tiny_folder(tiny_model_folder) -> str:
+    return str(tiny_model_folder)
 
 
 def write_config(tmp_path: Path, model: str) -> Path:

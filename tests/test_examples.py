@@ -21,18 +21,6 @@ ROW = re.compile(r"^(cold|warmed|restart)\s+(\d+)\s+(\d+)\s+(\d+)\s+(.+?)\s+([\d
 TENANT_ROW = re.compile(r"^(A|B|no salt)\s+(\S+)\s+(\d)\s+(\d+)\s+(\d+)\s+(.+)$")
 
 
-@pytest.fixture(scope="module")
-def tiny_model_folder(tmp_path_factory):
-    """A tiny random Llama and its byte tokenizer, saved as a Hugging Face model folder."""
-    from corekv.engine.models import make_tiny_llama
-
-    folder = tmp_path_factory.mktemp("tiny-llama")
-    tiny = make_tiny_llama()
-    tiny.model.save_pretrained(folder)
-    tiny.tokenizer.save_pretrained(folder)
-    return folder
-
-
 def run_example(script: str, *args: str, cwd: Path) -> subprocess.CompletedProcess:
     # NOTE: COREKV_* variables of the calling shell would override the example config's fields
     env = {k: v for k, v in os.environ.items() if not k.startswith("COREKV_")}

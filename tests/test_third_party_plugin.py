@@ -85,18 +85,6 @@ def test_its_own_conformance_tests_pass(installed):
     assert num_passed >= 100, f"expected both conformance suites to run, got:\n{result.stdout[-2000:]}"
 
 
-@pytest.fixture(scope="module")
-def tiny_model_folder(tmp_path_factory):
-    """A tiny random Llama and its byte tokenizer, saved as a Hugging Face model folder."""
-    from corekv.engine.models import make_tiny_llama
-
-    folder = tmp_path_factory.mktemp("tiny-llama")
-    tiny = make_tiny_llama()
-    tiny.model.save_pretrained(folder)
-    tiny.tokenizer.save_pretrained(folder)
-    return folder
-
-
 def test_an_engine_runs_from_a_yaml_config_that_selects_its_backend_and_tier(
         installed, tiny_model_folder, tmp_path, monkeypatch):
     import corekv

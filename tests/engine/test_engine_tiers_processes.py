@@ -19,12 +19,9 @@ WORKER = str(Path(__file__).with_name("tier_worker.py"))
 
 
 @pytest.fixture(scope="module")
-def model_folder(tiny_llama, tmp_path_factory):
+def model_folder(tiny_model_folder):
     """The tiny Llama saved with save_pretrained, so separate processes load identical weights."""
-    folder = tmp_path_factory.mktemp("tiny-llama")
-    tiny_llama.model.save_pretrained(folder)
-    tiny_llama.tokenizer.save_pretrained(folder)
-    return str(folder)
+    return str(tiny_model_folder)
 
 
 @pytest.fixture(scope="module")
