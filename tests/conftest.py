@@ -6,6 +6,9 @@ import pytest
 
 os.environ.setdefault("COREKV_DISABLE_PLUGIN_AUTOLOAD", "1")
 
+# a real redis-server on a free loopback port per test (fails, not skips, when CI=true and absent)
+from redis_server import redis_server  # noqa: E402,F401  (fixture)
+
 
 @pytest.fixture(scope="session")
 def tiny_model_folder(tmp_path_factory):

@@ -45,15 +45,6 @@ def test_swap_without_prefix_caching_still_restores_the_blocks(tiny_llama, tmp_p
 SALTS = st.one_of(st.none(), st.text(min_size=1, max_size=6))
 
 
-@pytest.fixture
-def redis_server(tmp_path):
-    from redis_server import RedisServer
-
-    server = RedisServer(tmp_path).start()
-    yield server
-    server.stop()
-
-
 @pytest.mark.parametrize("kind", KINDS)
 def test_no_cross_salt_hit_in_any_tier(tiny_llama, kind, tmp_path, request):
     url = request.getfixturevalue("redis_server").url if kind == "redis" else None

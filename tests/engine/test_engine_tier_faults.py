@@ -4,7 +4,6 @@ killed mid-run lets every request complete, and the tier reconnects when the ser
 from __future__ import annotations
 
 import lmdb
-import pytest
 
 from corekv.engine.models import make_tiny_llama
 from tier_helpers import FILLERS, GREEDY, PROMPT, evict, make_engine, tier_config
@@ -77,15 +76,6 @@ def test_a_full_lmdb_map_evicts_or_skips_without_crashing(tiny_llama, tmp_path):
         stats = engine.stats()["tiers"]["lmdb"]
     assert [o.token_ids for o in outputs] == reference(tiny_llama, prompts) * 2
     assert stats["evictions"] + stats["skips"] > 0 and stats["offloads"] > 0
-
-
-@pytest.fixture
-def redis_server(tmp_path):
-    from redis_server import RedisServer
-
-    server = RedisServer(tmp_path).start()
-    yield server
-    server.stop()
 
 
 def test_a_killed_redis_server_never_fails_a_request_and_the_tier_reconnects(tiny_llama, redis_server, tmp_path):

@@ -29,15 +29,6 @@ def tier_for(kind, tmp_path, request, **options):
     return tier_config(kind, tmp_path, url, **options)
 
 
-@pytest.fixture
-def redis_server(tmp_path):
-    from redis_server import RedisServer
-
-    server = RedisServer(tmp_path).start()
-    yield server
-    server.stop()
-
-
 @pytest.mark.parametrize("kind", KINDS)
 def test_a_reloaded_prefix_gives_bit_identical_logits(tiny_llama, device_hit_reference, kind, tmp_path, request):
     reference, reference_logits = device_hit_reference

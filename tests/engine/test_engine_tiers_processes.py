@@ -29,15 +29,6 @@ def saved_model(model_folder):
     return load_model(model_folder, dtype="float32", device="cpu")
 
 
-@pytest.fixture
-def redis_server(tmp_path):
-    from redis_server import RedisServer
-
-    server = RedisServer(tmp_path).start()
-    yield server
-    server.stop()
-
-
 def start_worker(model_folder, tier, prompts, rounds=1, write_policy="write_back", **engine) -> subprocess.Popen:
     args = {"config": config_mapping(model_folder, tier, write_policy=write_policy, **engine), "prompts": prompts, "rounds": rounds,
             "max_tokens": GREEDY.max_tokens}
