@@ -16,7 +16,6 @@ sampled while that system ran, and whether its tokens equal sequential ``model.g
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import resource
@@ -32,7 +31,7 @@ import torch
 
 from corekv.config import CacheConfig, Config, EngineConfig
 from corekv.engine.llm_engine import Engine
-from corekv.engine.models import load_model
+from corekv.engine.models import load_model, reference_attention
 from corekv.engine.sampling import SamplingParams
 
 SYSTEM = "You are an inference optimization expert. Answer concisely and accurately, give numbers when needed. " * 6
@@ -116,16 +115,6 @@ def run_corekv(loaded, wave_list, max_new, ignore_eos, prefix_caching):
     return dict(total=total, waves=wave_times, ttfts=ttfts, tokens=tokens, prompt_tokens_computed=computed)
 
 
-@contextlib.contextmanager
-def hf_attention(loaded, implementation="sdpa"):
-    previous = loaded.model.config._attn_implementation
-    loaded.model.set_attn_implementation(implementation)
-    try:
-        yield loaded.model
-    finally:
-        loaded.model.set_attn_implementation(previous)
-
-
 class _FirstToken:
     """A generate() streamer that records when the first new token arrives (the first put() is the prompt)."""
 
@@ -144,7 +133,7 @@ class _FirstToken:
 def run_hf_generate(loaded, wave_list, max_new, ignore_eos):
     eos = sorted(loaded.eos_token_ids)
     tokens, ttfts, wave_times = [], [], []
-    with hf_attention(loaded) as model, torch.no_grad():
+    with reference_attention(loaded) as model, torch.no_grad():
         t0 = time.perf_counter()
         for wave in wave_list:
             w0 = time.perf_counter()
@@ -169,7 +158,7 @@ def run_hf_cb(loaded, wave_list, max_new, ignore_eos, size_pool=True):
     gen = GenerationConfig(max_new_tokens=max_new, do_sample=False, eos_token_id=-1 if ignore_eos else eos,
                            pad_token_id=eos[0])
     tokens, ttfts, wave_times = [], [], []
-    with hf_attention(loaded) as model:
+    with reference_attention(loaded) as model:
         t0 = time.perf_counter()
         for wave in wave_list:
             w0 = time.perf_counter()

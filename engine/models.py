@@ -6,6 +6,7 @@ so torch and transformers are imported inside the functions, never at module lev
 """
 from __future__ import annotations
 
+import contextlib
 import importlib.metadata
 import json
 import os
@@ -180,6 +181,18 @@ def load_model(model: str, *, dtype: str = "float32", device: str = "auto", plug
             "accelerate are installed (pip install gguf accelerate)"
         ) from e
     return prepare_model(hf_model, tokenizer, device=torch_device, attention=ATTENTION_NAME)
+
+
+@contextlib.contextmanager
+def reference_attention(loaded: LoadedModel, implementation: str = "sdpa"):
+    """Run ``loaded.model`` with one of transformers' own attention implementations (the
+    reference that tests and benchmarks compare against), restoring the previous one after."""
+    previous = loaded.model.config._attn_implementation
+    loaded.model.set_attn_implementation(implementation)
+    try:
+        yield loaded.model
+    finally:
+        loaded.model.set_attn_implementation(previous)
 
 
 def prepare_model(hf_model: Any, tokenizer: Any, *, device: Any, attention: str | None = None) -> LoadedModel:

@@ -5,7 +5,6 @@
 """
 from __future__ import annotations
 
-import contextlib
 
 import pytest
 
@@ -24,19 +23,9 @@ def tiny_llama():
     return make_tiny_llama()
 
 
-@contextlib.contextmanager
-def _hf_attention(loaded, implementation: str = "sdpa"):
-    """Run the wrapped HF model with one of transformers' own attention implementations (the
-    reference), restoring corekv's paged attention afterwards."""
-    previous = loaded.model.config._attn_implementation
-    loaded.model.set_attn_implementation(implementation)
-    try:
-        yield loaded.model
-    finally:
-        loaded.model.set_attn_implementation(previous)
-
-
 @pytest.fixture(scope="session")
 def hf_attention():
     """``with hf_attention(loaded): ...`` runs ``loaded.model`` with transformers' SDPA attention."""
-    return _hf_attention
+    from corekv.engine.models import reference_attention
+
+    return reference_attention
