@@ -1,9 +1,7 @@
 """corekv: a plugin-style KV-cache framework with tiered offload for LLM inference."""
 from __future__ import annotations
 
-import importlib
-from typing import Any
-
+from corekv._lazy import lazy_getattr
 from corekv.errors import ConfigError, CoreKVError, PluginError
 from corekv.plugin import available_plugins, hookimpl, make_plugin_manager
 
@@ -20,16 +18,7 @@ _LAZY = {
     "bench": "corekv.bench",
 }
 
-
-def __getattr__(name: str) -> Any:
-    module_name = _LAZY.get(name)
-    if module_name is None:
-        raise AttributeError(f"module 'corekv' has no attribute {name!r}")
-    module = importlib.import_module(module_name)
-    value = module if module_name.endswith("." + name) else getattr(module, name)
-    globals()[name] = value
-    return value
-
+__getattr__ = lazy_getattr(__name__, _LAZY)
 
 __all__ = [
     "Config",

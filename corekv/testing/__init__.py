@@ -5,8 +5,7 @@ tiers). The suites load on first use, so importing this package pulls in neither
 """
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from corekv._lazy import lazy_getattr
 
 _LAZY = {
     "BackendTests": "corekv.testing.backend",
@@ -15,14 +14,6 @@ _LAZY = {
     "TierTests": "corekv.testing.tier",
 }
 
-
-def __getattr__(name: str) -> Any:
-    module_name = _LAZY.get(name)
-    if module_name is None:
-        raise AttributeError(f"module 'corekv.testing' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module_name), name)
-    globals()[name] = value
-    return value
-
+__getattr__ = lazy_getattr(__name__, _LAZY)
 
 __all__ = sorted(_LAZY)
