@@ -1,0 +1,1 @@
+"""``corekv serve``: an OpenAI-compatible HTTP server over one :class:`corekv.Engine`."""
