@@ -79,31 +79,44 @@ class LoadedModel:
     eos_token_ids: frozenset[int] = field(default_factory=frozenset)
 
     def encode_prompt(self, prompt: str | list[int] | list[dict]) -> list[int]:
-        """Token ids of a prompt: a string, token ids as is, or chat messages (``[{"role", "content"}]``,
-        rendered with the tokenizer's chat template and the assistant generation prompt)."""
-        if isinstance(prompt, str):
-            ids = list(self.tokenizer(prompt)["input_ids"])
-            if not ids:
-                raise CoreKVError(f"prompt {prompt!r} encodes to no tokens; pass a non-empty prompt")
-            return ids
-        if isinstance(prompt, (list, tuple)) and prompt and all(isinstance(m, dict) for m in prompt):
-            if any(not {"role", "content"} <= set(m) for m in prompt):
-                raise CoreKVError(f"chat messages need 'role' and 'content' keys, got {list(prompt)!r}")
-            if getattr(self.tokenizer, "chat_template", None) is None:
-                raise CoreKVError("this model's tokenizer has no chat template; pass a string prompt instead")
-            ids = self.tokenizer.apply_chat_template(list(prompt), add_generation_prompt=True, tokenize=True)
-            ids = ids["input_ids"] if hasattr(ids, "keys") else ids
-            return [int(t) for t in ids]
-        if isinstance(prompt, (list, tuple)) and prompt and all(
-                isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-            bad = [t for t in prompt if not 0 <= t < self.vocab_size]
-            if bad:
-                raise CoreKVError(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {self.vocab_size})")
-            return list(prompt)
-        raise CoreKVError(
-            f"prompt must be a non-empty str, list of token ids, or list of chat messages "
-            f"({{'role', 'content'}} dicts), got {type(prompt).__name__}: {str(prompt)[:80]!r}"
-        )
+        """Token ids of a prompt: see :func:`encode_prompt` (token ids checked against the vocabulary)."""
+        return encode_prompt(self.tokenizer, prompt, vocab_size=self.vocab_size)
+
+
+def encode_prompt(tokenizer: Any, prompt: str | list[int] | list[dict], *,
+                  vocab_size: int | None = None) -> list[int]:
+    """Token ids of a prompt: a string, token ids as is, or chat messages (``[{"role", "content"}]``,
+    rendered with the tokenizer's chat template and the assistant generation prompt).
+
+    The engine (through :meth:`LoadedModel.encode_prompt`) and ``corekv route`` (which loads only
+    the tokenizer, :func:`load_tokenizer`) both call this, so a router's token ids are the engine's.
+
+    :param vocab_size: token ids must lie in ``[0, vocab_size)``; ``None`` skips that check.
+    """
+    if isinstance(prompt, str):
+        ids = list(tokenizer(prompt)["input_ids"])
+        if not ids:
+            raise CoreKVError(f"prompt {prompt!r} encodes to no tokens; pass a non-empty prompt")
+        return ids
+    if isinstance(prompt, (list, tuple)) and prompt and all(isinstance(m, dict) for m in prompt):
+        if any(not {"role", "content"} <= set(m) for m in prompt):
+            raise CoreKVError(f"chat messages need 'role' and 'content' keys, got {list(prompt)!r}")
+        if getattr(tokenizer, "chat_template", None) is None:
+            raise CoreKVError("this model's tokenizer has no chat template; pass a string prompt instead")
+        ids = tokenizer.apply_chat_template(list(prompt), add_generation_prompt=True, tokenize=True)
+        ids = ids["input_ids"] if hasattr(ids, "keys") else ids
+        return [int(t) for t in ids]
+    if isinstance(prompt, (list, tuple)) and prompt and all(
+            isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        bad = [t for t in prompt if t < 0 or (vocab_size is not None and t >= vocab_size)]
+        if bad:
+            limit = "" if vocab_size is None else f" [0, {vocab_size})"
+            raise CoreKVError(f"prompt token ids {bad[:5]} are outside the vocabulary{limit}")
+        return list(prompt)
+    raise CoreKVError(
+        f"prompt must be a non-empty str, list of token ids, or list of chat messages "
+        f"({{'role', 'content'}} dicts), got {type(prompt).__name__}: {str(prompt)[:80]!r}"
+    )
 
 
 def resolve_device(device: str) -> torch.device:
@@ -166,7 +179,7 @@ def load_model(model: str, *, dtype: str = "float32", device: str = "auto", plug
 
     from corekv.engine.attention import ATTENTION_NAME  # registers the attention function
 
-    folder, kwargs = (str(path.parent), {"gguf_file": path.name}) if path.is_file() else (str(path), {})
+    folder, kwargs = _hf_source(path)
     try:
         config = AutoConfig.from_pretrained(folder, local_files_only=True, **kwargs)
         check_architecture(config)
@@ -181,6 +194,28 @@ def load_model(model: str, *, dtype: str = "float32", device: str = "auto", plug
             "accelerate are installed (pip install gguf accelerate)"
         ) from e
     return prepare_model(hf_model, tokenizer, device=torch_device, attention=ATTENTION_NAME)
+
+
+def load_tokenizer(model: str, *, plugin_manager: Any = None) -> Any:
+    """Load only the tokenizer of ``model`` (an alias, a Hugging Face folder or a ``.gguf`` file):
+    what ``corekv route`` needs to see prompts as the engine's token ids, without the weights.
+
+    :param plugin_manager: asked to resolve aliases, as in :func:`load_model`.
+    """
+    if not isinstance(model, str) or not model:
+        raise CoreKVError(f"model must be a non-empty string (alias, folder or .gguf path), got {model!r}")
+    path = _resolve_path(model, plugin_manager)
+    from transformers import AutoTokenizer
+
+    folder, kwargs = _hf_source(path)
+    try:
+        return AutoTokenizer.from_pretrained(folder, local_files_only=True, **kwargs)
+    except (ImportError, ValueError, OSError, KeyError) as e:
+        raise CoreKVError(
+            f"transformers could not load the tokenizer of model {model!r} from {path} "
+            f"({type(e).__name__}: {e}); check the model: field (and that gguf is installed for "
+            ".gguf files)"
+        ) from e
 
 
 @contextlib.contextmanager
@@ -254,6 +289,11 @@ def _eos_token_ids(hf_model: Any, tokenizer: Any) -> set[int]:
         elif isinstance(value, (list, tuple)):
             ids.update(int(v) for v in value)
     return ids
+
+
+def _hf_source(path: Path) -> tuple[str, dict[str, str]]:
+    """``from_pretrained``'s folder and keyword arguments for a model folder or a ``.gguf`` file."""
+    return (str(path.parent), {"gguf_file": path.name}) if path.is_file() else (str(path), {})
 
 
 def _resolve_path(model: str, plugin_manager: Any) -> Path:
