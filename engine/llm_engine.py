@@ -28,6 +28,7 @@ from corekv.engine.outputs import RequestOutput
 from corekv.engine.sampling import Sampler, SamplingParams, make_generator
 from corekv.engine.scheduler import ScheduledSeq, Scheduler
 from corekv.engine.sequence import Sequence
+from corekv.engine.streaming import TextStream
 from corekv.engine.tiering import make_cache_manager
 from corekv.engine.requests import (Request, RequestRejectedError, as_prompt_list, check_request_fits,
                                     make_output, per_prompt)
@@ -247,21 +248,24 @@ class Engine:
             raise ValueError(f"stream() yields one completion; got SamplingParams.n={request.params.n}; "
                              "use generate() for n > 1")
         self._enqueue(request, cache_salt)
-        seq = request.seqs[0]
-        holdback = max((len(s) for s in request.params.stop), default=1) - 1
-        emitted = 0
+        text = TextStream(request)
         try:
-            while not seq.is_finished:
+            while not text.is_finished:
                 self._unclaimed.extend(o for o in self._step() if o.request_id != request.request_id)
-                if not seq.is_finished:
-                    seq.update_text()
-                end = len(seq.text) if seq.is_finished else max(emitted, len(seq.text) - holdback)
-                if end > emitted:
-                    yield seq.text[emitted:end]
-                    emitted = end
+                for _index, delta in text.deltas():
+                    yield delta
         finally:
-            if not seq.is_finished:
+            if not text.is_finished:
                 self.abort(request.request_id)
+
+    def text_stream(self, request_id: str) -> TextStream:
+        """A :class:`TextStream` of an in-flight request (from ``add_request``): call its
+        ``deltas()`` after each ``step()`` to stream the request's text, stop strings held back."""
+        request = self._requests.get(request_id)
+        if request is None:
+            raise KeyError(f"text_stream: no request {request_id!r} is in flight; pass the id "
+                           "add_request returned, before step() returns its output")
+        return TextStream(request)
 
     def warm(self, prompt: Any, pin: bool = True, cache_salt: str | None = None) -> int:
         """Compute ``prompt``'s KV and keep its full blocks cached (and pinned when ``pin``).
@@ -392,6 +396,7 @@ class Engine:
         request.seqs.append(seq)
         self._requests[request.request_id] = request
         self.scheduler.add(seq)
+        self.blocks.prefetch(seq)  # tier hits start loading into host staging now (issue 4)
 
     def _detokenizer(self, request: Request) -> IncrementalDetokenizer:
         return IncrementalDetokenizer(self.model.tokenizer, request.prompt_token_ids,

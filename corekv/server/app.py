@@ -1,0 +1,217 @@
+"""The HTTP app: OpenAI's ``/v1`` endpoints, ``/health``, ``/metrics`` and ``/admin/*`` over one
+engine, and :func:`serve`, which runs it under uvicorn with a graceful shutdown.
+
+Endpoints::
+
+    POST /v1/completions        prompt: str | list[int]          (stream: SSE chunks, data: [DONE])
+    POST /v1/chat/completions   messages: [{"role", "content"}]
+    GET  /v1/models             the one served model
+    GET  /health                200 {"status": "ok"}, 503 once the engine is dead or stopping
+    GET  /metrics               Prometheus text (the engine's prometheus exporter)
+    POST /admin/warm            {"prompt" | "messages", "cache_salt", "pin"} -> {"cached_tokens"}
+    POST /admin/unpin           {"prompt" | "messages", "cache_salt"} -> {"unpinned_tokens"}
+    GET  /admin/stats           engine.stats()
+    GET  /admin/info            {"model", "block_size", "kv_events"}
+
+Every error is OpenAI's body ``{"error": {"message", "type", "param", "code"}}``: 4xx for what the
+client sent, 5xx only for faults of the server.
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException
+
+from corekv.errors import CoreKVError
+from corekv.server.async_engine import AsyncEngine, Delta, EngineStepError, EngineUnavailableError
+from corekv.server.protocol import (APIError, GenerateRequest, error_body, parse_chat,
+                                    parse_completion, parse_prefix)
+from corekv.server.responses import ResponseWriter, SSE_DONE, sse
+
+__all__ = ["build_app", "as_api_error", "kv_events_info"]
+
+
+def build_app(engine: Any, *, served_model_name: str | None = None,
+              close_engine: bool = False) -> FastAPI:
+    """The FastAPI app serving ``engine``; it starts the engine thread on startup and stops it on
+    shutdown (closing the engine there when ``close_engine``).
+
+    :param served_model_name: the model id clients send and ``/v1/models`` lists (default:
+        ``engine.config.model``).
+    """
+    if served_model_name is not None and (not isinstance(served_model_name, str)
+                                          or not served_model_name.strip()):
+        raise ValueError(f"served_model_name must be a non-empty string or None, got "
+                         f"{served_model_name!r}; pass the model id clients will send")
+    model_id = served_model_name or str(engine.config.model)
+    runner = AsyncEngine(engine, close_engine=close_engine)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        runner.start()
+        yield
+        await runner.shutdown()
+
+    app = FastAPI(title="corekv", lifespan=lifespan)
+    app.state.async_engine, app.state.model_id = runner, model_id
+
+    @app.exception_handler(APIError)
+    async def _api_error(request: Request, exc: APIError) -> JSONResponse:
+        return JSONResponse(exc.body(), status_code=exc.status)
+
+    @app.exception_handler(HTTPException)
+    async def _http_error(request: Request, exc: HTTPException) -> JSONResponse:
+        return JSONResponse(error_body(str(exc.detail), code=str(exc.status_code)),
+                            status_code=exc.status_code)
+
+    @app.exception_handler(Exception)
+    async def _bug(request: Request, exc: Exception) -> JSONResponse:
+        error = as_api_error(exc)
+        return JSONResponse(error.body(), status_code=error.status)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        return await _generate(runner, model_id, parse_completion(await _json(request)), "completion")
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        return await _generate(runner, model_id, parse_chat(await _json(request)), "chat")
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{
+            "id": model_id, "object": "model", "created": 0, "owned_by": "corekv",
+            "max_model_len": engine.max_model_len}]}
+
+    @app.get("/health")
+    async def health():
+        if not runner.is_alive:
+            reason = runner.dead_reason or "the engine thread is not running"
+            raise APIError(f"unhealthy: {reason}", status=503, type="server_error")
+        return {"status": "ok"}
+
+    @app.get("/metrics")
+    async def metrics():
+        from corekv.plugins import prometheus
+
+        exporter = prometheus.exporter_for(engine)
+        if exporter is None:
+            raise APIError("no metrics: prometheus-client is not installed (pip install "
+                           "'corekv[metrics]') or the prometheus plugin is disabled", status=404)
+        return Response(exporter.exposition(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    @app.post("/admin/warm")
+    async def warm(request: Request):
+        prompt, salt, pin = parse_prefix(await _json(request), with_pin=True)
+        count = await _call(runner, lambda e: e.warm(prompt, pin=pin, cache_salt=salt))
+        return {"cached_tokens": count}
+
+    @app.post("/admin/unpin")
+    async def unpin(request: Request):
+        prompt, salt, _ = parse_prefix(await _json(request), with_pin=False)
+        return {"unpinned_tokens": await _call(runner, lambda e: e.unpin(prompt, cache_salt=salt))}
+
+    @app.get("/admin/stats")
+    async def stats():
+        stats = await _call(runner, lambda e: e.stats())
+        return JSONResponse(json.loads(json.dumps(stats, default=str)))
+
+    @app.get("/admin/info")
+    async def info():
+        return {"model": model_id, "block_size": engine.block_size,
+                "kv_events": kv_events_info(engine.config)}
+
+    return app
+
+
+def kv_events_info(config: Any) -> dict[str, Any] | None:
+    """Where the engine publishes KV events, from ``config.kv_events``; None when off or absent."""
+    section = getattr(config, "kv_events", None)
+    if section is None or not getattr(section, "enabled", False):
+        return None
+    return {"endpoint": section.endpoint, "replay_endpoint": getattr(section, "replay_endpoint", None),
+            "topic": getattr(section, "topic", "")}
+
+
+def as_api_error(error: BaseException) -> APIError:
+    """The HTTP error a failure becomes: what the request got wrong is 400, the server's own
+    faults are 5xx (503 while it cannot take requests)."""
+    if isinstance(error, APIError):
+        return error
+    if isinstance(error, EngineUnavailableError):
+        return APIError(str(error), status=503, type="server_error")
+    if isinstance(error, EngineStepError):
+        return APIError(str(error), status=500, type="server_error")
+    if isinstance(error, (ValueError, TypeError, CoreKVError)) or _is_template_error(error):
+        # NOTE: raised while admitting a request (SamplingParams, the prompt, the chat template,
+        # a request too long for the pool): all about what the client sent.
+        code = "request_rejected" if type(error).__name__ == "RequestRejectedError" else None
+        return APIError(str(error), status=400, code=code)
+    return APIError(f"internal error: {type(error).__name__}: {error}", status=500, type="server_error")
+
+
+# -- helpers -----------------------------------------------------------------------------------
+async def _json(request: Request) -> Any:
+    body = await request.body()
+    try:
+        return json.loads(body)
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise APIError(f"the request body is not valid JSON ({e}); send a JSON object with "
+                       "Content-Type: application/json") from None
+
+
+async def _call(runner: AsyncEngine, fn) -> Any:
+    try:
+        return await runner.call(fn)
+    except Exception as e:
+        raise as_api_error(e) from e
+
+
+async def _generate(runner: AsyncEngine, model_id: str, req: GenerateRequest, kind: str):
+    if req.model is not None and req.model != model_id:
+        raise APIError(f"the model {req.model!r} does not exist; this server serves {model_id!r} "
+                       "(see GET /v1/models)", status=404, param="model", code="model_not_found")
+    try:
+        handle = await runner.submit(req.prompt, req.params, req.cache_salt)
+    except Exception as e:
+        raise as_api_error(e) from e
+    writer = ResponseWriter(kind, model_id, req.params.n)
+    if not req.stream:
+        try:
+            output = await handle.result()
+        except Exception as e:
+            raise as_api_error(e) from e
+        return writer.full(output)
+
+    async def events() -> AsyncIterator[str]:
+        for chunk in writer.opening():
+            yield chunk
+        try:
+            async for event in handle:
+                if isinstance(event, Delta):
+                    yield writer.delta(event.index, event.text)
+                else:
+                    for chunk in writer.closing(event, req.include_usage):
+                        yield chunk
+        except EngineStepError as e:
+            # NOTE: the 200 status is already sent: the error goes in the stream, as vLLM does.
+            yield sse(as_api_error(e).body())
+            yield SSE_DONE
+
+    # NOTE: when the client disconnects, Starlette stops this generator; leaving the `async for`
+    # over the handle aborts the request in the engine.
+    return StreamingResponse(events(), media_type="text/event-stream",
+                             headers={"Cache-Control": "no-cache"})
+
+
+def _is_template_error(error: BaseException) -> bool:
+    try:
+        from jinja2.exceptions import TemplateError
+    except ImportError:
+        return False
+    return isinstance(error, TemplateError)

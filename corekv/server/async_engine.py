@@ -1,0 +1,279 @@
+"""One engine, many concurrent HTTP requests: a thread that owns the engine and steps it, and a
+per-request asyncio queue of text deltas.
+
+The :class:`corekv.Engine` is not thread-safe, so exactly one thread (the *engine thread*) touches
+it. Handlers on the event loop hand work in through a thread-safe inbox (new requests, aborts, and
+calls such as ``warm`` or ``stats``); the engine thread takes everything waiting, then runs one
+``step()`` for all running requests together (continuous batching), then pushes each request's new
+text and its finish into that request's asyncio queue with ``loop.call_soon_threadsafe``.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from typing import Any
+
+from corekv.engine.outputs import RequestOutput
+from corekv.engine.sampling import SamplingParams
+from corekv.engine.streaming import TextStream
+
+__all__ = ["AsyncEngine", "Delta", "EngineStepError", "EngineUnavailableError", "RequestHandle"]
+
+logger = logging.getLogger(__name__)
+
+#: consecutive failed steps after which the engine is declared dead (every request then fails)
+MAX_CONSECUTIVE_STEP_FAILURES = 3
+
+
+class EngineStepError(RuntimeError):
+    """The engine failed while running a request (a fault of the server, not of the request)."""
+
+
+class EngineUnavailableError(EngineStepError):
+    """The engine takes no more requests: the server is shutting down, or the engine died."""
+
+
+@dataclass(frozen=True)
+class Delta:
+    """New text of completion ``index``."""
+
+    index: int
+    text: str
+
+
+class RequestHandle:
+    """One request as the event loop sees it: iterate it for :class:`Delta` s; the last item is
+    the :class:`RequestOutput`. Leaving the iteration early (a client gone) aborts the request."""
+
+    def __init__(self, engine: AsyncEngine, request_id: str, events: asyncio.Queue):
+        self.request_id = request_id
+        self._engine, self._events = engine, events
+        #: the final event once it arrived (the output, or the error that ended the request)
+        self.output: RequestOutput | BaseException | None = None
+
+    async def __aiter__(self) -> AsyncIterator[Delta | RequestOutput]:
+        try:
+            while True:
+                event = await self._events.get()
+                if isinstance(event, BaseException):
+                    self.output = event  # NOTE: failed in the engine: nothing left to abort
+                    raise event
+                if isinstance(event, RequestOutput):
+                    self.output = event
+                yield event
+                if self.output is not None:
+                    return
+        finally:
+            if self.output is None:
+                self._engine.abort(self.request_id)
+
+    async def result(self) -> RequestOutput:
+        """Wait for the final output (the deltas are dropped)."""
+        async for event in self:
+            if isinstance(event, RequestOutput):
+                return event
+        raise AssertionError("a request's events end with its output; this indicates a bug in AsyncEngine")
+
+
+@dataclass
+class _Active:
+    text: TextStream
+    loop: asyncio.AbstractEventLoop
+    events: asyncio.Queue
+
+    def push(self, event: Any) -> None:
+        self.loop.call_soon_threadsafe(self.events.put_nowait, event)
+
+
+class AsyncEngine:
+    """Drives one :class:`corekv.Engine` from its own thread for asyncio callers.
+
+    Invariants: only the engine thread calls the engine; every submitted request ends with exactly
+    one final event in its queue (its :class:`RequestOutput` or an exception), including when a
+    step fails or the engine shuts down; requests waiting in the inbox together join the same step.
+    """
+
+    def __init__(self, engine: Any, *, close_engine: bool = False):
+        self.engine = engine
+        self.close_engine = close_engine
+        self.dead_reason: str | None = None
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._active: dict[str, _Active] = {}
+        self._ids = iter(range(1 << 62))
+        self._thread = threading.Thread(target=self._run, name="corekv-engine", daemon=True)
+        self._is_stopping = False
+
+    # -- the event-loop side -------------------------------------------------------------------
+    def start(self) -> None:
+        self._thread.start()
+
+    @property
+    def is_alive(self) -> bool:
+        return self._thread.is_alive() and self.dead_reason is None
+
+    async def submit(self, prompt: Any, params: SamplingParams, cache_salt: str | None = None
+                     ) -> RequestHandle:
+        """Admit one request; raises what ``engine.add_request`` raises (a bad prompt, a request
+        that can never fit) before any text is produced, so a caller can still answer 4xx."""
+        loop = asyncio.get_running_loop()
+        events: asyncio.Queue = asyncio.Queue()
+        request_id = f"srv-{next(self._ids)}"
+        admitted = loop.create_future()
+        self._put(("add", request_id, prompt, params, cache_salt, loop, events, admitted))
+        try:
+            await admitted
+        except asyncio.CancelledError:  # NOTE: the client left while the request was queued
+            self.abort(request_id)
+            raise
+        return RequestHandle(self, request_id, events)
+
+    async def call(self, fn: Callable[[Any], Any]) -> Any:
+        """Run ``fn(engine)`` on the engine thread between steps; returns its result."""
+        loop = asyncio.get_running_loop()
+        done = loop.create_future()
+        self._put(("call", fn, loop, done))
+        return await done
+
+    def abort(self, request_id: str) -> None:
+        """Stop a request (no-op once finished); its handle ends without an output."""
+        if self._thread.is_alive():
+            self._inbox.put(("abort", request_id))
+
+    async def shutdown(self) -> None:
+        """Stop the engine thread (aborting what is left) and, with ``close_engine``, close the
+        engine there (which writes pending blocks to the storage tiers)."""
+        await asyncio.to_thread(self.stop)
+
+    def stop(self, timeout: float | None = None) -> bool:
+        """:meth:`shutdown` for a caller outside the event loop; True once the thread has ended."""
+        if self._thread.ident is None:  # never started: nothing runs the engine
+            self._is_stopping = True
+            if self.close_engine:
+                self.engine.close()
+            return True
+        if self._thread.is_alive():
+            self._inbox.put(("stop",))
+            self._thread.join(timeout)
+        return not self._thread.is_alive()
+
+    def _put(self, item: tuple) -> None:
+        if self.dead_reason is not None or not self._thread.is_alive() or self._is_stopping:
+            reason = self.dead_reason or "the server is shutting down"
+            raise EngineUnavailableError(f"the engine cannot take requests: {reason}")
+        self._inbox.put(item)
+
+    # -- the engine thread ---------------------------------------------------------------------
+    def _run(self) -> None:
+        engine = self.engine
+        failures = 0
+        try:
+            while True:
+                items = [] if engine.has_unfinished_requests else [self._inbox.get()]
+                while True:
+                    try:
+                        items.append(self._inbox.get_nowait())
+                    except queue.Empty:
+                        break
+                if any(item[0] == "stop" for item in items):
+                    self._is_stopping = True
+                for item in items:
+                    self._handle(item)
+                if self._is_stopping:
+                    return
+                if not engine.has_unfinished_requests:
+                    continue
+                try:
+                    outputs = engine.step()
+                except Exception as e:  # NOTE: a fault must fail its requests, never hang them
+                    failures += 1
+                    logger.exception("engine step failed (%d in a row)", failures)
+                    self._fail_all(e, dead=failures >= MAX_CONSECUTIVE_STEP_FAILURES)
+                    continue
+                failures = 0
+                self._publish(outputs)
+        finally:
+            self._finish()
+
+    def _handle(self, item: tuple) -> None:
+        kind = item[0]
+        if kind == "add":
+            _, request_id, prompt, params, salt, loop, events, admitted = item
+            try:
+                self.engine.add_request(prompt, params, salt, request_id=request_id)
+                active = _Active(self.engine.text_stream(request_id), loop, events)
+            except Exception as e:
+                loop.call_soon_threadsafe(_settle, admitted, None, e)
+                return
+            self._active[request_id] = active
+            loop.call_soon_threadsafe(_settle, admitted, None, None)
+        elif kind == "abort":
+            if self._active.pop(item[1], None) is not None:
+                try:
+                    self.engine.abort(item[1])
+                except KeyError:  # NOTE: finished in the step that raced the abort
+                    pass
+        elif kind == "call":
+            _, fn, loop, done = item
+            try:
+                result, error = fn(self.engine), None
+            except Exception as e:
+                result, error = None, e
+            # NOTE: engine.warm() steps the engine itself; outputs of other requests that finished
+            # meanwhile wait in the engine and come out of the next step().
+            loop.call_soon_threadsafe(_settle, done, result, error)
+
+    def _publish(self, outputs: list[RequestOutput]) -> None:
+        finished = {o.request_id: o for o in outputs}
+        for request_id, active in list(self._active.items()):
+            for index, text in active.text.deltas():
+                active.push(Delta(index, text))
+            output = finished.get(request_id)
+            if output is not None:
+                active.push(output)
+                del self._active[request_id]
+
+    def _fail_all(self, error: Exception, *, dead: bool) -> None:
+        failure = EngineStepError(f"the engine failed while running this request: "
+                                  f"{type(error).__name__}: {error}")
+        for request_id, active in self._active.items():
+            active.push(failure)
+            try:
+                self.engine.abort(request_id)
+            except Exception:  # NOTE: the engine is already broken; the request is failed anyway
+                logger.debug("abort of %s after a failed step failed too", request_id, exc_info=True)
+        self._active.clear()
+        if dead:
+            self.dead_reason = f"{MAX_CONSECUTIVE_STEP_FAILURES} steps failed in a row ({failure})"
+            self._is_stopping = True
+
+    def _finish(self) -> None:
+        self._is_stopping = True
+        stopped = EngineUnavailableError("the server shut down before this request finished")
+        for active in self._active.values():
+            active.push(stopped)
+        self._active.clear()
+        while True:  # answer whatever raced the stop
+            try:
+                item = self._inbox.get_nowait()
+            except queue.Empty:
+                break
+            if item[0] in ("add", "call"):
+                item[-2].call_soon_threadsafe(_settle, item[-1], None, stopped)
+        if self.close_engine:
+            try:
+                self.engine.close()
+            except Exception:
+                logger.exception("engine.close() failed; pending tier writes may be lost")
+
+
+def _settle(future: asyncio.Future, result: Any, error: BaseException | None) -> None:
+    if future.cancelled():
+        return
+    if error is not None:
+        future.set_exception(error)
+    else:
+        future.set_result(result)

@@ -1,0 +1,208 @@
+"""Request bodies of the OpenAI-compatible API, checked field by field, and OpenAI's error bodies.
+
+Every body is a JSON object checked by hand (no schema library): each rejection is an
+:class:`APIError` whose message names the field, the value received, what was expected and the
+fix, and whose ``param`` is the field, as OpenAI's own errors do. Unknown fields are rejected with
+the closest known name (a misspelled ``max_token`` must not silently fall back to the default);
+OpenAI fields this server does not implement are accepted only at their "off" value.
+"""
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from corekv.config_values import did_you_mean
+from corekv.engine.sampling import SamplingParams
+
+__all__ = ["APIError", "GenerateRequest", "error_body", "parse_completion", "parse_chat",
+           "parse_prefix", "DEFAULT_MAX_TOKENS", "DEFAULT_CHAT_MAX_TOKENS"]
+
+DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+DEFAULT_CHAT_MAX_TOKENS = 256  # chat has no OpenAI default short of the context; a bounded one
+_SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "seed", "stop", "n", "ignore_eos",
+                    "stop_token_ids", "include_stop_str_in_output", "skip_special_tokens")
+_COMMON_FIELDS = ("model", "max_tokens", "stream", "stream_options", "cache_salt", "user",
+                  *_SAMPLING_FIELDS)
+#: accepted only at these values (OpenAI features this server does not implement)
+_OFF_VALUES = {"logprobs": (None, False, 0), "echo": (None, False), "best_of": (None, 1),
+               "frequency_penalty": (None, 0), "presence_penalty": (None, 0),
+               "logit_bias": (None, {}), "suffix": (None,), "top_logprobs": (None, 0),
+               "tools": (None, []), "tool_choice": (None, "none"), "parallel_tool_calls": (None,),
+               "response_format": (None, {"type": "text"})}
+_COMPLETION_FIELDS = ("prompt", *_COMMON_FIELDS)
+_CHAT_FIELDS = ("messages", "max_completion_tokens", *_COMMON_FIELDS)
+
+
+class APIError(Exception):
+    """An error the API reports as ``{"error": {...}}`` with HTTP ``status``."""
+
+    def __init__(self, message: str, *, status: int = 400, param: str | None = None,
+                 type: str = "invalid_request_error", code: str | None = None):
+        super().__init__(message)
+        self.status, self.param, self.type, self.code = status, param, type, code
+
+    def body(self) -> dict[str, Any]:
+        return error_body(str(self), type=self.type, param=self.param, code=self.code)
+
+
+def error_body(message: str, *, type: str = "invalid_request_error", param: str | None = None,
+               code: str | None = None) -> dict[str, Any]:
+    """OpenAI's error body: ``{"error": {"message", "type", "param", "code"}}``."""
+    return {"error": {"message": message, "type": type, "param": param, "code": code}}
+
+
+@dataclass(frozen=True)
+class GenerateRequest:
+    """A checked completion or chat request: what the engine needs, plus how to answer.
+
+    ``prompt`` is a str, token ids, or chat messages (the engine renders those with the chat
+    template and the assistant prompt). ``model`` is None when the body named none.
+    """
+
+    prompt: Any
+    params: SamplingParams
+    cache_salt: str | None
+    model: str | None
+    stream: bool
+    include_usage: bool
+
+
+def parse_completion(body: Any) -> GenerateRequest:
+    """A ``POST /v1/completions`` body: ``prompt`` is one str or one list of token ids."""
+    body = _object(body)
+    _check_fields(body, _COMPLETION_FIELDS)
+    prompt = body.get("prompt")
+    # NOTE: OpenAI also takes a batch (a list of prompts); a one-element batch is one prompt.
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]
+    if not (isinstance(prompt, str) and prompt) and not _is_token_ids(prompt):
+        raise APIError(f"prompt must be a non-empty string or a non-empty list of token ids, got "
+                       f"{_short(prompt)}; send one request per prompt", param="prompt")
+    return _generate_request(body, prompt, body.get("max_tokens"), DEFAULT_MAX_TOKENS)
+
+
+def parse_chat(body: Any) -> GenerateRequest:
+    """A ``POST /v1/chat/completions`` body: ``messages`` with text content."""
+    body = _object(body)
+    _check_fields(body, _CHAT_FIELDS)
+    messages = parse_messages(body.get("messages"))
+    max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
+    return _generate_request(body, messages, max_tokens, DEFAULT_CHAT_MAX_TOKENS)
+
+
+def parse_prefix(body: Any, *, with_pin: bool) -> tuple[Any, str | None, bool]:
+    """An ``/admin/warm`` (``with_pin``) or ``/admin/unpin`` body: ``(prompt, cache_salt, pin)``
+    where prompt is a str, token ids, or chat messages (rendered without the assistant prompt)."""
+    body = _object(body)
+    _check_fields(body, ("prompt", "messages", "cache_salt", *(("pin",) if with_pin else ())))
+    if ("prompt" in body) == ("messages" in body):
+        raise APIError("pass exactly one of prompt (a string) or messages (chat messages), got "
+                       f"{sorted(k for k in ('prompt', 'messages') if k in body) or 'neither'}",
+                       param="prompt")
+    if "messages" in body:
+        prompt = parse_messages(body["messages"])
+    else:
+        prompt = body["prompt"]
+        if not (isinstance(prompt, str) and prompt) and not _is_token_ids(prompt):
+            raise APIError(f"prompt must be a non-empty string or list of token ids, got "
+                           f"{_short(prompt)}", param="prompt")
+    pin = body.get("pin", True)
+    if not isinstance(pin, bool):
+        raise APIError(f"pin must be true or false, got {_short(pin)}", param="pin")
+    return prompt, _salt(body), pin
+
+
+def parse_messages(messages: Any) -> list[dict[str, str]]:
+    """Chat messages as the engine takes them: ``[{"role": str, "content": str}]``; content may
+    also be OpenAI's list of ``{"type": "text", "text": ...}`` parts (joined)."""
+    if not isinstance(messages, list) or not messages:
+        raise APIError(f"messages must be a non-empty list of {{'role', 'content'}} objects, got "
+                       f"{_short(messages)}", param="messages")
+    checked = []
+    for i, message in enumerate(messages):
+        if not isinstance(message, Mapping) or not isinstance(message.get("role"), str):
+            raise APIError(f"messages[{i}] must be an object with a string role, got "
+                           f"{_short(message)}", param=f"messages[{i}]")
+        content = message.get("content")
+        if isinstance(content, list):
+            if not all(isinstance(p, Mapping) and p.get("type") == "text"
+                       and isinstance(p.get("text"), str) for p in content):
+                raise APIError(f"messages[{i}].content: only text parts "
+                               f"({{'type': 'text', 'text': ...}}) are supported, got {_short(content)}",
+                               param=f"messages[{i}].content")
+            content = "".join(p["text"] for p in content)
+        if not isinstance(content, str):
+            raise APIError(f"messages[{i}].content must be a string or a list of text parts, got "
+                           f"{_short(content)}", param=f"messages[{i}].content")
+        checked.append({"role": message["role"], "content": content})
+    return checked
+
+
+# -- helpers ---------------------------------------------------------------------------------
+def _generate_request(body: Mapping, prompt: Any, max_tokens: Any, default_max_tokens: int
+                      ) -> GenerateRequest:
+    model = body.get("model")
+    if model is not None and not isinstance(model, str):
+        raise APIError(f"model must be a string, got {_short(model)}; see GET /v1/models",
+                       param="model")
+    stream = body.get("stream", False)
+    if stream is None:
+        stream = False
+    if not isinstance(stream, bool):
+        raise APIError(f"stream must be true or false, got {_short(stream)}", param="stream")
+    options = body.get("stream_options") or {}
+    if not isinstance(options, Mapping) or set(options) - {"include_usage"}:
+        raise APIError(f"stream_options must be {{'include_usage': bool}}, got {_short(options)}",
+                       param="stream_options")
+    include_usage = options.get("include_usage", False)
+    if not isinstance(include_usage, bool):
+        raise APIError(f"stream_options.include_usage must be true or false, got "
+                       f"{_short(include_usage)}", param="stream_options")
+    fields = {k: body[k] for k in _SAMPLING_FIELDS if body.get(k) is not None}
+    fields["max_tokens"] = default_max_tokens if max_tokens is None else max_tokens
+    try:
+        params = SamplingParams(**fields)
+    except (TypeError, ValueError) as e:
+        # NOTE: the message names SamplingParams.<field>; the field is also the body's name.
+        param = next((k for k in fields if f"SamplingParams.{k} " in str(e)), None)
+        raise APIError(str(e), param=param) from e
+    return GenerateRequest(prompt, params, _salt(body), model, stream, include_usage)
+
+
+def _object(body: Any) -> Mapping:
+    if not isinstance(body, Mapping):
+        raise APIError(f"the request body must be a JSON object, got {_short(body)}")
+    return body
+
+
+def _check_fields(body: Mapping, known: tuple[str, ...]) -> None:
+    for key, value in body.items():
+        if key in known:
+            continue
+        if key in _OFF_VALUES:
+            if value not in _OFF_VALUES[key]:
+                raise APIError(f"{key}={_short(value)} is not supported by this server; leave it "
+                               f"out (or send {_OFF_VALUES[key][-1]!r})", param=key)
+            continue
+        raise APIError(f"unknown field {key!r}{did_you_mean(str(key), known)} (known fields: "
+                       f"{', '.join(known)})", param=key)
+
+
+def _salt(body: Mapping) -> str | None:
+    salt = body.get("cache_salt")
+    if salt is not None and (not isinstance(salt, str) or not salt):
+        raise APIError(f"cache_salt must be a non-empty string or null, got {_short(salt)}; pass "
+                       "the tenant's salt (prefixes are shared only within one salt)",
+                       param="cache_salt")
+    return salt
+
+
+def _is_token_ids(value: Any) -> bool:
+    return (isinstance(value, list) and bool(value)
+            and all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in value))
+
+
+def _short(value: Any, limit: int = 60) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit] + "..."
