@@ -2,14 +2,18 @@
 
 Reload: after the device match, the hash chain continues down the tiers in order — at each block
 the first tier that holds it serves it, so one prefix may come partly from host memory and partly
-from LMDB — and the hits are copied straight into newly allocated device blocks. A block that
-fails its header or checksum check ends the run; everything after it is computed as usual.
+from LMDB — and the hits are copied into newly allocated device blocks. A block that fails its
+header or checksum check ends the run; everything after it is computed as usual. With prefetch
+(:mod:`corekv.prefetch`), the lookup and the tier reads start when a request arrives, on a
+background thread, into host staging; admission (:meth:`CacheManager.load_prefix`) then copies
+the staged rows into the pool in one batched copy and loads only what was not staged.
 
 Offload: ``write_back`` (default) copies a cached block out of the pool at the moment the backend
 evicts it (before its slot is reused), ``write_through`` as soon as it is cached. The copy is
 taken on the step's thread (a memcpy); the tier writes run on one background thread behind a
-bounded queue, and when that queue is full the blocks are skipped and counted — generation never
-waits for a tier. Blocks reloaded from a lower tier are promoted to the tiers above it.
+bounded queue (:mod:`corekv.offload_writer`), and when that queue is full the blocks are skipped
+and counted — generation never waits for a tier. Blocks reloaded from a lower tier are promoted
+to the tiers above it (from the staging rows when they were prefetched).
 
 NOTE: an offloaded block goes to *every* tier that does not already hold it (each checked with
 ``exists``), not only the first: with ``host`` above ``lmdb`` the fast tier catches re-use within
@@ -24,21 +28,20 @@ freed right after); ``load_private`` / ``delete_private`` move a block stored un
 from __future__ import annotations
 
 import logging
-import queue
-import threading
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from corekv.backend import EvictedBlock
 from corekv.hashing import BlockHash, PrefixKey
+from corekv.offload_writer import OffloadWriter, safe_tier_call as _safe
+from corekv.prefetch import Prefetch, Prefetcher, StagedRun
 from corekv.tier import Tier
 
 logger = logging.getLogger(__name__)
-
-_STOP = object()
 
 
 @dataclass(frozen=True)
@@ -53,19 +56,27 @@ class CacheManager:
     """Moves whole blocks between the device pool and an ordered list of tiers.
 
     Invariants: a block reloaded into the pool holds exactly the bytes that were offloaded (the
-    tier validated them); the offload queue holds at most ``queue_blocks`` blocks, or one batch if
-    that batch alone is larger; tier
-    failures never raise into the engine (the tiers count them as misses, skips or faults).
+    tier validated them, on the prefetch thread or at admission); the offload queue holds at most
+    ``queue_blocks`` blocks, or one batch if that batch alone is larger; prefetches stage at most
+    ``prefetch_blocks`` blocks at once; tier failures never raise into the engine (the tiers count
+    them as misses, skips or faults).
     """
 
     def __init__(self, tiers: Sequence[Tier], kv_pool, *, write_policy: str = "write_back",
-                 offload_min_hits: int = 0, queue_blocks: int = 256, hooks=None):
+                 offload_min_hits: int = 0, queue_blocks: int = 256, hooks=None,
+                 prefetch_blocks: int | None = None):
+        """:param prefetch_blocks: blocks prefetches may stage in host memory at once (None: as
+            many as the device pool holds; 0: no prefetch, admission loads synchronously)."""
         if write_policy not in ("write_back", "write_through"):
             raise ValueError(f"write_policy must be 'write_back' or 'write_through', got {write_policy!r}")
         if offload_min_hits < 0:
             raise ValueError(f"offload_min_hits must be >= 0, got {offload_min_hits}")
         if queue_blocks < 1:
             raise ValueError(f"queue_blocks must be >= 1, got {queue_blocks}")
+        if prefetch_blocks is None:
+            prefetch_blocks = kv_pool.num_blocks
+        if isinstance(prefetch_blocks, bool) or not isinstance(prefetch_blocks, int) or prefetch_blocks < 0:
+            raise ValueError(f"prefetch_blocks must be an int >= 0 (0: no prefetch), got {prefetch_blocks!r}")
         self.tiers = list(tiers)
         self.tier_names = [t.name for t in self.tiers]
         self.kv_pool = kv_pool
@@ -76,14 +87,11 @@ class CacheManager:
         self.hit_counts: Counter[BlockHash] = Counter()
         #: hashes cached by requests that opted out of offload; dropped when evicted
         self.opted_out: set[BlockHash] = set()
-        self.counters = Counter()  # per tier: "<name>.reloaded", "<name>.offloaded"; "offload_skips"
-        self._queue: queue.Queue = queue.Queue()
-        self._queued_blocks = 0
-        self._queue_lock = threading.Lock()
-        self._worker: threading.Thread | None = None
-        if self.tiers:
-            self._worker = threading.Thread(target=self._run_offloads, name="corekv-offload", daemon=True)
-            self._worker.start()
+        #: per tier: "<name>.reloaded", ".prefetched", ".offloaded", ".offload_skips", ".swapped_*"
+        self.counters = Counter()
+        self._writer = OffloadWriter(self.counters, queue_blocks=queue_blocks, hooks=hooks) if self.tiers else None
+        self.prefetcher = (Prefetcher(self._stage, max_blocks=prefetch_blocks)
+                           if self.tiers and prefetch_blocks else None)
 
     # -- reload ------------------------------------------------------------------------------
     def lookup(self, key: PrefixKey, start: int, stop: int) -> list[TierRun]:
@@ -133,6 +141,58 @@ class CacheManager:
             offset += run.num_blocks
         return loaded
 
+    def prefetch(self, key: PrefixKey, start: int, stop: int) -> Prefetch | None:
+        """Start fetching blocks ``start .. stop - 1`` of ``key`` from the tiers into host staging
+        (a request arrived; ``start`` is its device match then). None: nothing to prefetch."""
+        if self.prefetcher is None or start >= stop:
+            return None
+        return self.prefetcher.start(key, start, stop)
+
+    def drop_prefetch(self, prefetch: Prefetch) -> None:
+        """The request left before admission: its staged bytes are dropped (counted)."""
+        self.prefetcher.drop(prefetch)
+
+    def load_prefix(self, key: PrefixKey, start: int, stop: int, block_ids: Sequence[int],
+                    prefetch: Prefetch | None = None) -> dict[str, int]:
+        """Admission: load blocks ``start .. stop - 1`` of ``key`` into ``block_ids`` (one per
+        block, in order), as far as the tiers hold them.
+
+        ``start`` is the device match found now. Rows ``prefetch`` staged are copied in one
+        batch; blocks it did not stage (before its start, when the device lost blocks since the
+        request arrived, or after its end) are looked up and loaded synchronously.
+
+        :returns: ``{tier name: blocks loaded}`` for the leading blocks that loaded.
+        """
+        staged = self.prefetcher.take(prefetch) if prefetch is not None else None
+        loaded: dict[str, int] = {}
+        pos, num_used = start, 0
+        try:
+            while pos < stop:
+                offset = pos - start
+                if staged is not None and staged.start <= pos < staged.start + staged.num_staged:
+                    num = self._load_staged(key, staged, pos, stop, block_ids[offset:], loaded)
+                    num_used += num
+                    pos += num
+                    continue
+                limit = staged.start if staged is not None and pos < staged.start else stop
+                runs = self.lookup(key, pos, limit)
+                wanted = sum(run.num_blocks for run in runs)
+                got = self.load(key, pos, runs, block_ids[offset:offset + wanted]) if runs else {}
+                for name, num in got.items():
+                    loaded[name] = loaded.get(name, 0) + num
+                num = sum(got.values())
+                pos += num
+                if num == 0 or num < wanted or pos < limit:
+                    break
+        finally:
+            if staged is not None:
+                self.prefetcher.release(staged, num_used)
+        return loaded
+
+    def prefetch_stats(self) -> dict[str, float]:
+        """Prefetch counters (see :class:`corekv.prefetch.Prefetcher`); empty without prefetch."""
+        return self.prefetcher.stats() if self.prefetcher is not None else {}
+
     def note_hits(self, key: PrefixKey, num_blocks: int) -> None:
         """Count device hits of ``key``'s first ``num_blocks`` blocks (for ``offload_min_hits``)."""
         if self.offload_min_hits and num_blocks:
@@ -174,9 +234,9 @@ class CacheManager:
             for i in range(0, len(items), self.queue_blocks):
                 batch = items[i:i + self.queue_blocks]
                 self._enqueue([h for h, _ in batch], [b for _, b in batch], tiers=targets)
-                self._queue.join()
-        if self._worker is not None:
-            self._queue.join()
+                self._writer.join()
+        if self._writer is not None:
+            self._writer.join()
 
     # -- swap ---------------------------------------------------------------------------------
     def swap_out(self, tier_index: int, hashes: Sequence[BlockHash], block_ids: Sequence[int]) -> int:
@@ -191,8 +251,7 @@ class CacheManager:
         todo = list(range(present, len(hashes)))
         if not todo:
             return len(hashes)
-        snapshot = self.kv_pool.read_blocks([block_ids[i] for i in todo]).to("cpu")
-        payload = snapshot.contiguous().view(torch.uint8).reshape(len(todo), -1).numpy()
+        payload = self._snapshot([block_ids[i] for i in todo]).numpy()
         stored = _safe(lambda: tier.put([(hashes[i], payload[j]) for j, i in enumerate(todo)]), 0, tier, "put")
         self.counters[f"{tier.name}.swapped_out"] += stored
         return present + stored
@@ -210,11 +269,12 @@ class CacheManager:
         _safe(lambda: tier.delete([key]), None, tier, "delete")
 
     def close(self) -> None:
-        """Finish queued writes, stop the worker and close the tiers."""
-        if self._worker is not None:
-            self._queue.put(_STOP)
-            self._worker.join()
-            self._worker = None
+        """Stop prefetching, finish queued writes, stop the threads and close the tiers."""
+        if self.prefetcher is not None:
+            self.prefetcher.close()
+        if self._writer is not None:
+            self._writer.close()
+            self._writer = None
         for tier in self.tiers:
             _safe(tier.close, None, tier, "close")
 
@@ -224,6 +284,7 @@ class CacheManager:
         for tier in self.tiers:
             entry = dict(_safe(tier.stats, {}, tier, "stats"))
             entry["reloaded_blocks"] = self.counters[f"{tier.name}.reloaded"]
+            entry["prefetched_blocks"] = self.counters[f"{tier.name}.prefetched"]
             entry["offloaded_blocks"] = self.counters[f"{tier.name}.offloaded"]
             entry["offload_skips"] = self.counters[f"{tier.name}.offload_skips"]
             entry["swapped_out_blocks"] = self.counters[f"{tier.name}.swapped_out"]
@@ -249,51 +310,86 @@ class CacheManager:
             self._enqueue(hashes, block_ids, tiers=self.tiers)
 
     def _enqueue(self, hashes: Sequence[BlockHash], block_ids: Sequence[int], tiers: list[Tier]) -> None:
-        with self._queue_lock:
-            # NOTE: an empty queue takes any one batch, even past the bound: one eviction batch
-            # is at most the pool, and dropping it whole would keep long prefixes (a 4K prompt
-            # is 257 blocks of 16) out of the tiers for good.
-            if self._queued_blocks and self._queued_blocks + len(hashes) > self.queue_blocks:
-                for tier in tiers:
-                    self.counters[f"{tier.name}.offload_skips"] += len(hashes)
-                return
-            self._queued_blocks += len(hashes)
-        # NOTE: the copy happens now, on the caller's thread: the slot may be overwritten as soon
-        # as we return. Everything slower (encoding, checksums, I/O) happens on the worker.
-        snapshot = self.kv_pool.read_blocks(list(block_ids)).to("cpu")
-        self._queue.put((list(hashes), snapshot, tiers))
+        # NOTE: the snapshot is taken now, on the caller's thread (only if the queue has room):
+        # the slot may be overwritten as soon as we return.
+        self._writer.submit(hashes, lambda: self._snapshot(block_ids), tiers)
 
-    def _run_offloads(self) -> None:
-        while True:
-            item = self._queue.get()
-            try:
-                if item is _STOP:
-                    return
-                hashes, snapshot, tiers = item
-                payload = snapshot.contiguous().view(torch.uint8).reshape(len(hashes), -1).numpy()
-                for tier in tiers:
-                    missing = [i for i, h in enumerate(hashes)
-                               if not _safe(lambda: tier.exists([h]), 0, tier, "exists")]
-                    if not missing:
-                        continue
-                    stored = _safe(lambda: tier.put([(hashes[i], payload[i]) for i in missing]), 0, tier, "put")
-                    self.counters[f"{tier.name}.offloaded"] += stored
-                    if stored and self.hooks is not None:
-                        self.hooks.corekv_on_blocks_offloaded(tier=tier.name, block_hashes=[hashes[i] for i in missing])
-                with self._queue_lock:
-                    self._queued_blocks -= len(hashes)
-            except Exception:  # pragma: no cover - a bug, but the worker must outlive it
-                logger.exception("corekv offload worker: unexpected error; blocks skipped")
-            finally:
-                self._queue.task_done()
+    def _snapshot(self, block_ids: Sequence[int]) -> torch.Tensor:
+        """A CPU copy of blocks ``block_ids``: uint8 ``[len(block_ids), bytes_per_block]``."""
+        pool = self.kv_pool
+        if pool.storage.device.type != "cpu":
+            return pool.read_blocks(list(block_ids)).to("cpu").view(torch.uint8).reshape(len(block_ids), -1)
+        # NOTE: a row-by-row numpy copy: a gather with index_select runs at a tenth of memcpy
+        # on this CPU for rows this wide (BENCHMARKS.md, tier sections).
+        rows = _pool_rows(pool)
+        out = np.empty((len(block_ids), pool.bytes_per_block), dtype=np.uint8)
+        for i, block_id in enumerate(block_ids):
+            out[i] = rows[block_id]
+        return torch.from_numpy(out)
+
+    def _stage(self, key: PrefixKey, start: int, stop: int, max_blocks: int):
+        """The prefetch job (on the prefetch thread): look up ``start .. stop - 1`` down the tiers
+        and copy at most ``max_blocks`` leading hits, validated, into one staging buffer."""
+        runs = self.lookup(key, start, stop)
+        total = min(sum(run.num_blocks for run in runs), max_blocks)
+        if total == 0:
+            return [], None
+        # NOTE: pinned staging makes the host-to-device copy at admission asynchronous.
+        is_pinned = self.kv_pool.storage.device.type == "cuda"
+        staging = torch.empty((total, self.kv_pool.bytes_per_block), dtype=torch.uint8, pin_memory=is_pinned)
+        rows = staging.numpy()
+        staged: list[StagedRun] = []
+        hashes, offset = key.block_hashes, 0
+        for run in runs:
+            num = min(run.num_blocks, total - offset)
+            if num <= 0:
+                break
+            tier = self.tiers[run.tier_index]
+            keys = hashes[start + offset:start + offset + num]
+            flags = _safe(lambda: tier.get_into(keys, list(rows[offset:offset + num])), [False] * num, tier, "get_into")
+            num_ok = next((i for i, ok in enumerate(flags) if not ok), num)
+            if num_ok:
+                staged.append(StagedRun(run.tier_index, num_ok))
+            offset += num_ok
+            if num_ok < num:
+                break
+        return staged, staging[:offset] if offset else None
+
+    def _load_staged(self, key: PrefixKey, staged: Prefetch, pos: int, stop: int,
+                     block_ids: Sequence[int], loaded: dict[str, int]) -> int:
+        """Copy ``staged``'s rows for blocks ``pos ..`` (up to ``stop``) into ``block_ids`` in one
+        batch; count, announce and promote them per tier run. Returns the number of blocks."""
+        first = pos - staged.start
+        last = min(stop, staged.start + staged.num_staged) - staged.start
+        self.kv_pool.write_blocks(list(block_ids[:last - first]), staged.staging[first:last])
+        row = 0
+        for run in staged.runs:
+            lo, hi = max(row, first), min(row + run.num_blocks, last)
+            row += run.num_blocks
+            if lo >= hi:
+                continue
+            tier = self.tiers[run.tier_index]
+            keys = key.block_hashes[staged.start + lo:staged.start + hi]
+            num = hi - lo
+            loaded[tier.name] = loaded.get(tier.name, 0) + num
+            self.counters[f"{tier.name}.reloaded"] += num
+            self.counters[f"{tier.name}.prefetched"] += num
+            self.hit_counts.update(keys)
+            if self.hooks is not None:
+                self.hooks.corekv_on_blocks_loaded(tier=tier.name, block_hashes=list(keys))
+            if run.tier_index > 0:  # promote from the staging rows: no copy out of the pool
+                rows = staged.staging[lo:hi]
+                self._writer.submit(keys, lambda: rows, self.tiers[:run.tier_index])
+        return last - first
 
     def _load_into(self, tier: Tier, keys: list[BlockHash], block_ids: list[int]) -> list[bool]:
         pool = self.kv_pool
         if pool.storage.device.type == "cpu":
             # NOTE: the pool is block-major, so each block is one contiguous run of bytes: the
             # tier copies straight into it, with no staging buffer.
-            views = [pool.storage[b].view(torch.uint8).numpy() for b in block_ids]
-            return _safe(lambda: tier.get_into(keys, views), [False] * len(keys), tier, "get_into")
+            rows = _pool_rows(pool)
+            return _safe(lambda: tier.get_into(keys, [rows[b] for b in block_ids]), [False] * len(keys),
+                         tier, "get_into")
         staging = torch.empty((len(keys), pool.bytes_per_block), dtype=torch.uint8, pin_memory=True)
         flags = _safe(lambda: tier.get_into(keys, list(staging.numpy())), [False] * len(keys), tier, "get_into")
         num_ok = next((i for i, ok in enumerate(flags) if not ok), len(flags))
@@ -302,10 +398,6 @@ class CacheManager:
         return flags
 
 
-def _safe(call, default, tier: Tier, what: str):
-    """Run a tier call; a tier that raises anyway (a plugin's bug) is logged and read as a miss."""
-    try:
-        return call()
-    except Exception as e:
-        logger.warning("tier %s: %s failed (%s: %s); treated as a miss", tier.name, what, type(e).__name__, e)
-        return default
+def _pool_rows(pool) -> np.ndarray:
+    """The CPU pool's storage as uint8 rows, one per block (a view: writes land in the pool)."""
+    return pool.storage.view(pool.num_blocks, -1).view(torch.uint8).numpy()

@@ -23,6 +23,8 @@ from abc import ABC, abstractmethod
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
+import numpy as np
+
 from corekv.block_format import EntryCodec, EntryError, EntryFault
 from corekv.errors import ConfigError, PluginError
 
@@ -131,7 +133,9 @@ class Tier(ABC):
 
         def visit(index: int, entry) -> None:
             try:
-                views[index][:] = self.codec.decode(entry)
+                # NOTE: numpy's copy runs at memcpy speed; a memoryview slice assignment of
+                # the same bytes runs at about half of it on this CPU (BENCHMARKS.md).
+                np.copyto(views[index], np.frombuffer(self.codec.decode(entry), dtype=np.uint8))
                 hits[index] = True
             except EntryError as e:
                 self._record_fault(keys[index], e)
@@ -286,7 +290,7 @@ class Tier(ABC):
         if self._is_closed:
             raise RuntimeError(f"tier {self.name!r} is closed; create a new one to use it again")
 
-    def _check_out(self, buffer, index: int) -> memoryview:
+    def _check_out(self, buffer, index: int) -> np.ndarray:
         try:
             view = memoryview(buffer)
             view = view.cast("B") if view.format != "B" or view.ndim != 1 else view
@@ -296,7 +300,7 @@ class Tier(ABC):
         if view.readonly or view.nbytes != self.block_bytes:
             raise ValueError(f"out[{index}] must be writable and hold {self.block_bytes} bytes; got "
                              f"{view.nbytes} bytes, readonly={view.readonly}")
-        return view
+        return np.frombuffer(view, dtype=np.uint8)
 
     @staticmethod
     def _check_keys(keys: Sequence[BlockHash], argument: str) -> list[BlockHash]:

@@ -4,8 +4,10 @@ The prefix-cache backend owns residency (which blocks are free, cached, evictabl
 module decides which blocks a sequence holds: the matched prefix, fresh blocks for the rest,
 a new block when decoding crosses a block boundary, and a private copy of a block shared with a
 forked sibling before writing into it (copy-on-write). With storage tiers (a
-:class:`corekv.cache_manager.CacheManager`), admission continues the device match down the tiers
-and reloads the hits; swap preemption parks a preempted sequence's blocks in the host tier.
+:class:`corekv.cache_manager.CacheManager`), a request's arrival starts the prefetch of its tier
+hits (:meth:`BlockManager.prefetch`), admission continues the device match down the tiers and
+loads the hits (the prefetched rows, then anything not prefetched); swap preemption parks a
+preempted sequence's blocks in the host tier.
 """
 from __future__ import annotations
 
@@ -51,6 +53,8 @@ class BlockManager:
         #: index of the tier that swap preemption parks blocks in (None: recompute preemption)
         self.swap_tier = swap_tier
         self.shared_refs: Counter[int] = Counter()
+        #: waiting sequences' prefetches, consumed at admission or dropped when they finish waiting
+        self.prefetches: dict[Sequence, object] = {}
         self.num_cow_copies = 0
         self.num_swapped_out_blocks = 0
         self.num_swapped_in_blocks = 0
@@ -61,6 +65,15 @@ class BlockManager:
         if not self.enable_prefix_caching:
             return []
         return self.backend.match(seq.key, max_blocks=(seq.num_tokens - 1) // self.block_size)
+
+    def prefetch(self, seq: Sequence) -> None:
+        """``seq`` arrived: start fetching its tier hits beyond the device match into staging."""
+        manager = self.cache_manager
+        if manager is None or not self.enable_prefix_caching or seq.swap is not None or seq in self.prefetches:
+            return
+        prefetch = manager.prefetch(seq.key, len(self.match(seq)), (seq.num_tokens - 1) // self.block_size)
+        if prefetch is not None:
+            self.prefetches[seq] = prefetch
 
     def allocate(self, seq: Sequence) -> bool:
         """Give a waiting ``seq`` its matched prefix plus fresh blocks for all its tokens.
@@ -96,8 +109,9 @@ class BlockManager:
         """Load ``seq``'s blocks after the device ``hit`` from the tiers into ``fresh``."""
         manager = self.cache_manager
         max_blocks = (seq.num_tokens - 1) // self.block_size
-        runs = manager.lookup(seq.key, len(hit), max_blocks)
-        loaded = manager.load(seq.key, len(hit), runs, fresh) if runs else {}
+        # NOTE: the device match was taken again just now: blocks the device gained since the
+        # prefetch started are not loaded twice, and blocks it lost are loaded synchronously.
+        loaded = manager.load_prefix(seq.key, len(hit), max_blocks, fresh, self.prefetches.pop(seq, None))
         num_loaded = sum(loaded.values())
         if num_loaded:
             num_full = len(hit) + num_loaded
@@ -141,7 +155,11 @@ class BlockManager:
         seq.swap = SwapState(num_full, num_computed, private_key)
 
     def drop_swap(self, seq: Sequence) -> None:
-        """``seq`` finished while swapped out: delete its private partial block from the tier."""
+        """``seq`` finished while waiting (aborted): drop its prefetch and, if it was swapped out,
+        delete its private partial block from the tier."""
+        prefetch = self.prefetches.pop(seq, None)
+        if prefetch is not None:
+            self.cache_manager.drop_prefetch(prefetch)
         swap, seq.swap = seq.swap, None
         if swap is not None and swap.private_key is not None and self.cache_manager is not None:
             self.cache_manager.delete_private(self.swap_tier, swap.private_key)

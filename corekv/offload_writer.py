@@ -1,0 +1,111 @@
+"""The offload writer: one background thread that stores snapshots of blocks in tiers.
+
+The cache manager takes a snapshot of the blocks to offload on the caller's thread (the pool slot
+may be reused as soon as the caller returns) and hands it here; encoding, checksums and tier I/O
+run on the writer thread, so generation never waits for a tier. When the queue is full the
+blocks are skipped and counted instead.
+"""
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from collections import Counter
+from collections.abc import Callable, Sequence
+
+import torch
+
+from corekv.hashing import BlockHash
+from corekv.tier import Tier
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["OffloadWriter", "safe_tier_call"]
+
+_STOP = object()
+
+
+class OffloadWriter:
+    """Writes ``(hashes, snapshot, tiers)`` batches to every listed tier that lacks them.
+
+    Invariants: the queue holds at most ``queue_blocks`` blocks, or one batch if that batch
+    alone is larger; a batch is written to each tier only for the blocks that tier does not
+    already hold; tier failures are counted by the tiers and never stop the thread.
+    Counters (in the shared ``counters``): ``<tier>.offloaded`` and ``<tier>.offload_skips``.
+    """
+
+    def __init__(self, counters: Counter, *, queue_blocks: int, hooks=None):
+        if queue_blocks < 1:
+            raise ValueError(f"queue_blocks must be >= 1, got {queue_blocks}")
+        self.counters = counters
+        self.queue_blocks = queue_blocks
+        self.hooks = hooks
+        self._queue: queue.Queue = queue.Queue()
+        self._queued_blocks = 0
+        self._lock = threading.Lock()
+        self._thread: threading.Thread | None = threading.Thread(
+            target=self._run, name="corekv-offload", daemon=True)
+        self._thread.start()
+
+    def submit(self, hashes: Sequence[BlockHash], snapshot: Callable[[], torch.Tensor],
+               tiers: Sequence[Tier]) -> bool:
+        """Queue ``hashes`` for ``tiers``; ``snapshot()`` (called now, only if there is room)
+        returns their bytes as a CPU tensor, one row per block. False: skipped (queue full)."""
+        with self._lock:
+            # NOTE: an empty queue takes any one batch, even past the bound: one eviction batch
+            # is at most the pool, and dropping it whole would keep long prefixes (a 4K prompt
+            # is 257 blocks of 16) out of the tiers for good.
+            if self._queued_blocks and self._queued_blocks + len(hashes) > self.queue_blocks:
+                for tier in tiers:
+                    self.counters[f"{tier.name}.offload_skips"] += len(hashes)
+                return False
+            self._queued_blocks += len(hashes)
+        self._queue.put((list(hashes), snapshot(), list(tiers)))
+        return True
+
+    def join(self) -> None:
+        """Wait until every queued batch is written."""
+        if self._thread is not None:
+            self._queue.join()
+
+    def close(self) -> None:
+        """Write what is queued, then stop the thread."""
+        if self._thread is not None:
+            self._queue.put(_STOP)
+            self._thread.join()
+            self._thread = None
+
+    def _run(self) -> None:
+        while True:
+            item = self._queue.get()
+            try:
+                if item is _STOP:
+                    return
+                hashes, snapshot, tiers = item
+                payload = snapshot.contiguous().view(torch.uint8).reshape(len(hashes), -1).numpy()
+                for tier in tiers:
+                    missing = [i for i, h in enumerate(hashes)
+                               if not safe_tier_call(lambda: tier.exists([h]), 0, tier, "exists")]
+                    if not missing:
+                        continue
+                    stored = safe_tier_call(lambda: tier.put([(hashes[i], payload[i]) for i in missing]),
+                                            0, tier, "put")
+                    self.counters[f"{tier.name}.offloaded"] += stored
+                    if stored and self.hooks is not None:
+                        self.hooks.corekv_on_blocks_offloaded(tier=tier.name,
+                                                              block_hashes=[hashes[i] for i in missing])
+                with self._lock:
+                    self._queued_blocks -= len(hashes)
+            except Exception:  # pragma: no cover - a bug, but the writer must outlive it
+                logger.exception("corekv offload writer: unexpected error; blocks skipped")
+            finally:
+                self._queue.task_done()
+
+
+def safe_tier_call(call, default, tier: Tier, what: str):
+    """Run a tier call; a tier that raises anyway (a plugin's bug) is logged and read as a miss."""
+    try:
+        return call()
+    except Exception as e:
+        logger.warning("tier %s: %s failed (%s: %s); treated as a miss", tier.name, what, type(e).__name__, e)
+        return default

@@ -1,0 +1,168 @@
+"""Prefetch: a waiting request's tier hits are fetched into host staging before its admission.
+
+When a request arrives, :meth:`Prefetcher.start` queues a job on one background thread: look its
+prefix up in the tiers beyond the device match and copy the hits' validated bytes (header and
+checksum checked, as on every load) into one staging buffer. At admission the cache manager
+takes the staged rows (:meth:`Prefetcher.take`) and copies them into the allocated pool blocks
+in one batched copy, so the tier I/O of request B runs while the engine's step for the others
+does. A job that has not started by admission is cancelled and the manager loads synchronously
+instead; a job that is running is waited for: a block is never fetched twice.
+
+NOTE: staged bytes are keyed by chained block hashes, which name a block's whole prefix, so they
+stay right whatever happens to the device cache or the tiers meanwhile: the manager only
+decides at admission (from the device match it finds then) which staged rows it still needs.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import torch
+
+from corekv.hashing import PrefixKey
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["Prefetch", "Prefetcher", "StagedRun"]
+
+
+@dataclass(frozen=True)
+class StagedRun:
+    """``num_blocks`` consecutive staged rows that came from tier ``tier_index``."""
+
+    tier_index: int
+    num_blocks: int
+
+
+@dataclass(eq=False)
+class Prefetch:
+    """One request's prefetch of blocks ``start .. stop - 1`` of ``key``.
+
+    After the job ran, ``staging[i]`` holds the validated bytes of block ``start + i`` for
+    ``i < num_staged``, and ``runs`` says which tier each row came from, in order.
+    """
+
+    key: PrefixKey
+    start: int
+    stop: int
+    future: Future | None = None
+    runs: list[StagedRun] = field(default_factory=list)
+    staging: torch.Tensor | None = None
+    is_released: bool = False
+
+    @property
+    def num_staged(self) -> int:
+        return sum(run.num_blocks for run in self.runs)
+
+
+#: ``stage(key, start, stop, max_blocks) -> (runs, staging)``: the manager's fetch into staging
+StageFn = Callable[[PrefixKey, int, int, int], tuple[list[StagedRun], "torch.Tensor | None"]]
+
+
+class Prefetcher:
+    """Runs prefetch jobs on one background thread, within a bound on staged blocks.
+
+    Invariants: at most ``max_blocks`` blocks are staged at once (the job stages only what
+    fits; the rest is loaded synchronously at admission); every :class:`Prefetch` is released
+    exactly once, by :meth:`release` after :meth:`take`, or by :meth:`drop`; a job cancelled
+    before it ran never touched a tier.
+    """
+
+    def __init__(self, stage: StageFn, *, max_blocks: int):
+        if not isinstance(max_blocks, int) or isinstance(max_blocks, bool) or max_blocks < 1:
+            raise ValueError(f"max_blocks must be an int >= 1, got {max_blocks!r}; pass the number "
+                             "of blocks prefetches may stage in host memory at once")
+        self._stage = stage
+        self.max_blocks = max_blocks
+        self.num_staged_blocks = 0
+        #: started, ready (done by admission), waited, fallbacks (cancelled: loaded
+        #: synchronously), dropped (aborted before admission), skipped (no staging room),
+        #: staged_blocks, used_blocks, dropped_blocks; wait_s (seconds admission waited)
+        self.counters: Counter = Counter()
+        self._lock = threading.Lock()
+        self._executor: ThreadPoolExecutor | None = ThreadPoolExecutor(1, thread_name_prefix="corekv-prefetch")
+
+    def start(self, key: PrefixKey, start: int, stop: int) -> Prefetch | None:
+        """Queue the fetch of blocks ``start .. stop - 1`` of ``key``; None if there is nothing to do."""
+        if start >= stop or self._executor is None:
+            return None
+        prefetch = Prefetch(key, start, stop)
+        prefetch.future = self._executor.submit(self._run, prefetch)
+        self.counters["started"] += 1
+        return prefetch
+
+    def take(self, prefetch: Prefetch) -> Prefetch | None:
+        """At admission: the finished prefetch (waiting for a running job), or None when the job
+        had not started (it is cancelled; the caller loads synchronously and must not call
+        :meth:`release`)."""
+        future = prefetch.future
+        if future.cancel():
+            self.counters["fallbacks"] += 1
+            prefetch.is_released = True
+            return None
+        if future.done():
+            self.counters["ready"] += 1
+        else:
+            self.counters["waited"] += 1
+            t0 = time.perf_counter()
+            future.result()
+            self.counters["wait_s"] += time.perf_counter() - t0
+        return prefetch
+
+    def release(self, prefetch: Prefetch, num_used: int) -> None:
+        """Free ``prefetch``'s staging; ``num_used`` of its rows reached the pool."""
+        with self._lock:
+            if prefetch.is_released:
+                return
+            prefetch.is_released = True
+            staged = prefetch.num_staged
+            self.num_staged_blocks -= staged
+            self.counters["used_blocks"] += num_used
+            self.counters["dropped_blocks"] += staged - num_used
+        prefetch.staging = None
+
+    def drop(self, prefetch: Prefetch) -> None:
+        """The request left before admission (aborted): cancel or discard its prefetch."""
+        self.counters["dropped"] += 1
+        if prefetch.future.cancel():
+            prefetch.is_released = True
+            return
+        # NOTE: a running job cannot be stopped midway; its staging is freed when it ends.
+        prefetch.future.add_done_callback(lambda _: self.release(prefetch, 0))
+
+    def stats(self) -> dict[str, float]:
+        out = {name: self.counters[name] for name in (
+            "started", "ready", "waited", "fallbacks", "dropped", "skipped", "staged_blocks",
+            "used_blocks", "dropped_blocks")}
+        out["wait_s"] = round(self.counters["wait_s"], 6)
+        out["num_staged_blocks"] = self.num_staged_blocks
+        return out
+
+    def close(self) -> None:
+        """Cancel queued jobs and wait for the running one."""
+        if self._executor is not None:
+            self._executor.shutdown(wait=True, cancel_futures=True)
+            self._executor = None
+
+    # -- the worker ------------------------------------------------------------------------
+    def _run(self, prefetch: Prefetch) -> None:
+        with self._lock:
+            room = self.max_blocks - self.num_staged_blocks
+            if room <= 0:
+                self.counters["skipped"] += 1
+                return
+        try:
+            runs, staging = self._stage(prefetch.key, prefetch.start, prefetch.stop, room)
+        except Exception:  # pragma: no cover - a bug; admission then loads synchronously
+            logger.exception("corekv prefetch: unexpected error; the request loads at admission")
+            return
+        # NOTE: one worker thread, so the room read above can only have grown meanwhile.
+        with self._lock:
+            prefetch.runs, prefetch.staging = runs, staging
+            self.num_staged_blocks += prefetch.num_staged
+            self.counters["staged_blocks"] += prefetch.num_staged
