@@ -38,10 +38,31 @@ class EvictedBlock:
 
 @dataclass(frozen=True)
 class BlockEvent:
-    """A change of the device cache's content: ``kind`` is ``"stored"`` or ``"removed"``."""
+    """A change of the device cache's content; ``kind`` is ``"stored"`` or ``"removed"``.
+
+    * ``"stored"``: ``block_hashes`` became hittable. They are one contiguous run of one hash
+      chain: ``parent_block_hash`` is the hash of the block just before the run (``None`` when the
+      run starts the chain), ``token_ids`` the run's tokens, ``block_size`` per block (builtin
+      backends fill all three; ``None`` / ``()`` from a backend that does not know them).
+    * ``"removed"``: ``block_hashes`` left the cache. ``is_cleared`` marks a reset of the whole
+      cache (:meth:`PrefixCacheBackend.reset`): ``block_hashes`` then lists every block that was
+      cached, possibly none, and KV-event publishers send ``AllBlocksCleared``.
+    """
 
     kind: str
     block_hashes: tuple[BlockHash, ...]
+    parent_block_hash: BlockHash | None = None
+    token_ids: tuple[int, ...] = ()
+    block_size: int | None = None
+    is_cleared: bool = False
+
+
+def stored_event(key: PrefixKey, start: int, stop: int) -> BlockEvent:
+    """The ``"stored"`` event of full blocks ``start .. stop - 1`` of ``key`` (a contiguous run)."""
+    bs = key.block_size
+    hashes = key.block_hashes
+    return BlockEvent("stored", tuple(hashes[start:stop]), hashes[start - 1] if start else None,
+                      tuple(key.token_ids[start * bs:stop * bs]), bs)
 
 
 EvictCallback = Callable[[list[EvictedBlock]], None]
@@ -149,7 +170,8 @@ class PrefixCacheBackend(ABC):
 
     @abstractmethod
     def reset(self) -> None:
-        """Forget every cached prefix (only valid while no block is in use)."""
+        """Forget every cached prefix (only valid while no block is in use); records a
+        ``"removed"`` event with ``is_cleared=True`` (when the backend records events)."""
 
     def stats(self) -> dict[str, int]:
         """Counters for ``engine.stats()``; backends may add their own."""

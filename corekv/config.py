@@ -93,6 +93,38 @@ class CacheConfig:
     tiers: tuple[TierConfig, ...] = _field((), "storage tiers below the device pool, searched in order")
 
 
+_ZMQ_ADDRESS = dict(pattern=r"(tcp|ipc|inproc)://\S+",
+                    pattern_text="a ZMQ address such as tcp://*:5557, ipc:///tmp/kv-events or "
+                                 "inproc://kv-events")
+
+
+@dataclass(frozen=True)
+class KVEventsConfig:
+    """The ``kv_events`` plugin: the device cache's block events published as vLLM-compatible KV
+    events (msgpack batches on a ZMQ PUB socket, with an optional replay socket)."""
+
+    enabled: bool = _field(False, "publish KV events (needs pyzmq and msgpack: corekv[events])")
+    endpoint: str = _field("tcp://*:5557", "the PUB socket: bound when the host is *, :: or a "
+                           "loopback address (or ipc://, inproc://), else connected to", **_ZMQ_ADDRESS)
+    replay_endpoint: str | None = _field(None, "a ROUTER socket (always bound) that resends "
+                                         "buffered batches from a sequence number; none: no replay",
+                                         **_ZMQ_ADDRESS)
+    topic: str = _field("", "the topic frame of every message, which subscribers filter on "
+                        "(unset: the empty topic)")
+    buffer_steps: int = _field(10000, "batches kept for replay", minimum=1)
+    hwm: int = _field(100000, "most batches waiting to be sent (the publisher queue and the PUB "
+                      "socket's high-water mark); past it batches are dropped and counted", minimum=1)
+
+    def __post_init__(self) -> None:
+        # NOTE: port 0 asks for a free port, so two sockets may both say tcp://127.0.0.1:0.
+        if self.replay_endpoint == self.endpoint and not self.endpoint.endswith(":0"):
+            from corekv.errors import ConfigError
+
+            raise ConfigError(f"kv_events.replay_endpoint: got {self.replay_endpoint!r}, the same "
+                              "address as kv_events.endpoint; expected another port or path, e.g. "
+                              "tcp://*:5558", path="kv_events.replay_endpoint")
+
+
 @dataclass(frozen=True)
 class Config:
     """The whole configuration (the YAML file's top level)."""
@@ -105,6 +137,8 @@ class Config:
                          suggestions=("auto", "cpu", "cuda"))
     engine: EngineConfig = _field(help="the engine", factory=EngineConfig)
     cache: CacheConfig = _field(help="the prefix cache and its tiers", factory=CacheConfig)
+    kv_events: KVEventsConfig = _field(help="KV event publishing (the kv_events plugin)",
+                                       factory=KVEventsConfig)
     plugins: tuple[str, ...] = _field((), "modules to load as plugins besides the installed "
                                       "entry points (e.g. my_package.my_plugin)")
 
@@ -187,6 +221,10 @@ def _dump_fields(obj: Any, dump: Any) -> dict[str, Any]:
     data = {}
     for f in fields(obj):
         value = getattr(obj, f.name)
+        if value == "":
+            # NOTE: string fields reject "" when loaded, so an empty one can only be its default
+            # (kv_events.topic): leaving it out loads back the same value.
+            continue
         if f.metadata["check"].get("kind") == "size" and isinstance(value, int):
             data[f.name] = format_size(value)
         elif isinstance(value, tuple) and f.name != "token_ids":

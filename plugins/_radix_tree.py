@@ -9,7 +9,7 @@ from __future__ import annotations
 import heapq
 from collections.abc import Iterable
 
-from corekv.backend import BlockEvent, EvictedBlock
+from corekv.backend import BlockEvent, EvictedBlock, stored_event
 from corekv.hashing import PrefixKey
 
 
@@ -205,7 +205,7 @@ class RadixTreeOps:
                 self._add_locks([node], node.ref - 1, now)
         self._add_locks(new_nodes, 1, now)
         if hashes and self.record_events:
-            self._events.append(BlockEvent("stored", tuple(hashes)))
+            self._events.append(stored_event(key, first_page, first_page + num_ids))
 
     def _evict(self, num_blocks: int) -> None:
         """Evict least-recently-used unlocked leaves until ``num_blocks`` blocks are free."""

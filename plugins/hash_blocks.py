@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Sequence
 
-from corekv.backend import BlockEvent, EvictedBlock, PrefixCacheBackend, check_count
+from corekv.backend import BlockEvent, EvictedBlock, PrefixCacheBackend, check_count, stored_event
 from corekv.hashing import BlockHash, PrefixKey
 from corekv.plugin import BackendSpec, Option, hookimpl
 from corekv.plugins._pinning import PinBook, _check_key
@@ -125,8 +125,8 @@ class HashBlockBackend(PrefixCacheBackend):
         if block_ids and (min(block_ids) < 0 or max(block_ids) >= self.num_blocks):
             self._check_ids("block_ids", block_ids)
         ref, block_hash, hash_to_block = self._ref, self._block_hash, self._hash_to_block
-        stored = []
-        for b, h in zip(block_ids, hashes):
+        stored = []   # indexes into the key's blocks
+        for i, (b, h) in enumerate(zip(block_ids, hashes)):
             current = block_hash[b]
             if current is not None:
                 if current != h:
@@ -140,9 +140,9 @@ class HashBlockBackend(PrefixCacheBackend):
                 continue
             hash_to_block[h] = b
             block_hash[b] = h
-            stored.append(h)
+            stored.append(i)
         if stored and self.record_events:
-            self._events.append(BlockEvent("stored", tuple(stored)))
+            self._record_stored(key, stored)
 
     def free(self, block_ids: Sequence[int]) -> None:
         if block_ids and (min(block_ids) < 0 or max(block_ids) >= self.num_blocks):
@@ -201,8 +201,8 @@ class HashBlockBackend(PrefixCacheBackend):
             raise RuntimeError(f"reset() needs every block released, but "
                                f"{self.num_blocks - self.num_free_blocks} are in use (pinned ones "
                                "included); free them and unpin first")
-        if self._hash_to_block and self.record_events:
-            self._events.append(BlockEvent("removed", tuple(self._hash_to_block)))
+        if self.record_events:
+            self._events.append(BlockEvent("removed", tuple(self._hash_to_block), is_cleared=True))
         self._hash_to_block.clear()
         self._block_hash = [None] * self.num_blocks
         self._empty = list(range(self.num_blocks - 1, -1, -1))
@@ -232,6 +232,18 @@ class HashBlockBackend(PrefixCacheBackend):
         self.num_evicted_blocks += len(evicted)
         if self.record_events:
             self._events.append(BlockEvent("removed", tuple(e.block_hash for e in evicted)))
+
+    def _record_stored(self, key: PrefixKey, stored: list[int]) -> None:
+        """One ``"stored"`` event per contiguous run of ``stored`` (block indexes of ``key``):
+        blocks already cached in the middle split the run, and the next run's parent is one of
+        them."""
+        start = prev = stored[0]
+        for i in stored[1:]:
+            if i != prev + 1:
+                self._events.append(stored_event(key, start, prev + 1))
+                start = i
+            prev = i
+        self._events.append(stored_event(key, start, prev + 1))
 
     def _undo_free(self, released: Sequence[int]) -> None:
         for b in reversed(released):

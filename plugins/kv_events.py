@@ -1,1 +1,216 @@
-"""``kv_events``: publish the device cache's block events as vLLM-compatible KV events (ZMQ + msgpack)."""
+"""``kv_events``: publish the device cache's block events as vLLM-compatible KV events (ZMQ + msgpack).
+
+With ``kv_events: {enabled: true}`` in the config, every engine gets a :class:`KVEventPublisher`
+that turns the ``corekv_on_blocks_stored`` / ``corekv_on_blocks_removed`` hooks into
+:class:`corekv.kv_events.KVEventBatch` messages on a ZMQ PUB socket (the wire format is described
+in :mod:`corekv.kv_events`), so routers written for vLLM's KV events (llm-d, ``corekv route``)
+follow the cache::
+
+    engine = corekv.Engine.from_config({"kv_events": {"enabled": True,
+                                                      "endpoint": "tcp://*:5557",
+                                                      "replay_endpoint": "tcp://*:5558"}})
+    publisher = publisher_for(engine)       # None when kv_events is off
+    publisher.endpoint, publisher.num_batches, publisher.num_dropped
+
+Off (the default), the plugin does nothing and imports neither ``zmq`` nor ``msgpack``.
+"""
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+import weakref
+from collections import deque
+from typing import Any
+
+from corekv.errors import ConfigError
+from corekv.plugin import hookimpl
+
+logger = logging.getLogger(__name__)
+
+PUBLISHER_NAME = "corekv.plugins.kv_events:publisher"
+#: hosts whose endpoint is bound (vLLM binds only wildcards; a loopback address binds here too, so
+#: a local-only publisher needs no wildcard); any other host is connected to (a broker or proxy)
+BIND_HOSTS = ("*", "::", "[::]", "0.0.0.0", "localhost", "[::1]")
+
+
+class KVEventPublisher:
+    """One engine's KV event publisher: a PUB socket, an optional replay ROUTER, one thread.
+
+    Invariants: batches get sequence numbers 0, 1, 2, ... in the order the hooks handed their
+    events over, and every number is sent once on the PUB socket; the hooks (the engine's step)
+    never block and never touch a socket: they put the events on a queue of at most ``hwm``
+    batches, and a full queue drops the batch (counted in ``num_dropped``, so its number is never
+    used and subscribers see no gap); only the publisher thread touches the sockets; the replay
+    buffer holds the last ``buffer_steps`` sent batches, oldest first.
+    """
+
+    #: seconds close() waits for queued batches to go out
+    CLOSE_TIMEOUT_S = 2.0
+
+    def __init__(self, config: Any, *, block_size: int):
+        try:
+            import zmq
+            import msgpack  # noqa: F401  (encode_batch needs it; fail here, not on the thread)
+        except ImportError as e:
+            raise ConfigError(f"kv_events.enabled: true needs pyzmq and msgpack ({e}); install "
+                              "them with pip install 'corekv[events]' or set kv_events.enabled: "
+                              "false", path="kv_events.enabled") from e
+        self.config, self.block_size = config, block_size
+        self.num_batches = self.num_dropped = self.num_replay_requests = 0
+        self._topic = config.topic.encode()
+        self._queue: queue.Queue = queue.Queue(maxsize=config.hwm)
+        self._buffer: deque[tuple[int, bytes]] = deque(maxlen=config.buffer_steps)
+        self._ctx = zmq.Context()
+        try:
+            self._pub = self._open(zmq.PUB, config.endpoint, "kv_events.endpoint")
+            self._pub.setsockopt(zmq.SNDHWM, config.hwm)
+            self._replay = None
+            if config.replay_endpoint is not None:
+                self._replay = self._open(zmq.ROUTER, config.replay_endpoint,
+                                          "kv_events.replay_endpoint", bind=True)
+        except BaseException:
+            self._ctx.destroy(linger=0)
+            raise
+        #: the addresses actually bound (a port 0 in the config becomes the port chosen)
+        self.endpoint = self._pub.getsockopt_string(zmq.LAST_ENDPOINT) or config.endpoint
+        self.replay_endpoint = (self._replay.getsockopt_string(zmq.LAST_ENDPOINT)
+                                if self._replay is not None else None)
+        self._is_closed = self._is_aborted = False
+        self._thread = threading.Thread(target=self._run, name="corekv-kv-events-pub", daemon=True)
+        self._thread.start()
+        logger.info("KV events on %s (replay: %s, topic %r)", self.endpoint, self.replay_endpoint,
+                    config.topic)
+
+    # -- hook implementations (registered per engine; called on the engine's thread) ----------
+    @hookimpl
+    def corekv_on_blocks_stored(self, events: list) -> None:
+        self.publish(events)
+
+    @hookimpl
+    def corekv_on_blocks_removed(self, events: list) -> None:
+        self.publish(events)
+
+    def publish(self, events: list) -> None:
+        """Queue ``events`` (:class:`corekv.backend.BlockEvent`) as one batch; never blocks."""
+        if self._is_closed or not events:
+            return
+        try:
+            self._queue.put_nowait((time.time(), events))
+        except queue.Full:
+            self.num_dropped += 1
+            if self.num_dropped == 1:
+                logger.warning("KV event queue full (kv_events.hwm=%d): batches are dropped and "
+                               "counted", self.config.hwm)
+
+    def close(self) -> None:
+        """Send what is queued (up to CLOSE_TIMEOUT_S), then close the sockets. Idempotent."""
+        if self._is_closed:
+            return
+        self._is_closed = True
+        try:
+            # NOTE: a full queue makes close() wait for room (the hooks never wait).
+            self._queue.put(None, timeout=self.CLOSE_TIMEOUT_S)
+        except queue.Full:
+            self._is_aborted = True   # the thread stops without sending the rest
+        self._thread.join(self.CLOSE_TIMEOUT_S)
+
+    # -- the publisher thread -----------------------------------------------------------------
+    def _run(self) -> None:
+        from corekv.kv_events import encode_batch
+
+        seq = 0
+        try:
+            while True:
+                if self._replay is not None and self._replay.poll(0):
+                    self._serve_replay()
+                try:
+                    item = self._queue.get(timeout=0.05)
+                except queue.Empty:
+                    continue
+                if item is None or self._is_aborted:
+                    break
+                batch = self._to_batch(*item)
+                if not batch.events:
+                    continue
+                payload = encode_batch(batch)
+                self._pub.send_multipart((self._topic, seq.to_bytes(8, "big"), payload))
+                self._buffer.append((seq, payload))
+                seq += 1
+                self.num_batches += 1
+        except Exception:  # pragma: no cover - a bug or a socket fault: say so, stop publishing
+            logger.exception("KV event publisher on %s stopped", self.endpoint)
+        finally:
+            self._ctx.destroy(linger=0)
+
+    def _serve_replay(self) -> None:
+        from corekv.kv_events import END_OF_REPLAY_SEQ
+
+        frames = self._replay.recv_multipart()
+        if len(frames) != 3 or len(frames[2]) != 8:
+            logger.warning("KV event replay request ignored: expected [identity, b'', 8-byte "
+                           "start seq], got %d frames", len(frames))
+            return
+        self.num_replay_requests += 1
+        client, _, start_bytes = frames
+        start = int.from_bytes(start_bytes, "big")
+        for seq, payload in self._buffer:
+            if seq >= start:
+                self._replay.send_multipart((client, b"", seq.to_bytes(8, "big"), payload))
+        self._replay.send_multipart((client, b"", END_OF_REPLAY_SEQ.to_bytes(8, "big", signed=True),
+                                     b""))
+
+    def _to_batch(self, ts: float, events: list) -> Any:
+        from corekv.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
+
+        wire = []
+        for e in events:
+            if e.kind == "stored" and e.block_hashes:
+                wire.append(BlockStored(e.block_hashes, e.parent_block_hash, e.token_ids,
+                                        e.block_size or self.block_size))
+            elif e.kind == "removed" and getattr(e, "is_cleared", False):
+                wire.append(AllBlocksCleared())
+            elif e.kind == "removed" and e.block_hashes:
+                wire.append(BlockRemoved(e.block_hashes))
+        return KVEventBatch(ts, wire)
+
+    def _open(self, kind: int, endpoint: str, field: str, bind: bool | None = None):
+        import zmq
+
+        socket = self._ctx.socket(kind)
+        socket.setsockopt(zmq.LINGER, 0)
+        scheme, _, rest = endpoint.partition("://")
+        host = rest.rpartition(":")[0]
+        if bind is None:
+            bind = scheme in ("ipc", "inproc") or host in BIND_HOSTS or host.startswith("127.")
+        try:
+            socket.bind(endpoint) if bind else socket.connect(endpoint)
+        except zmq.ZMQError as e:
+            socket.close(linger=0)
+            raise ConfigError(f"{field}: cannot {'bind' if bind else 'connect'} {endpoint!r} "
+                              f"({e}); expected a free local address (another engine or process "
+                              "may hold it: choose another port)", path=field) from e
+        return socket
+
+
+def publisher_for(engine: Any) -> Any:
+    """The :class:`KVEventPublisher` of ``engine``, or ``None`` (``kv_events.enabled`` is off)."""
+    manager = getattr(engine, "plugin_manager", None)
+    if manager is None:
+        raise TypeError(f"publisher_for(engine=...) got {type(engine).__name__}; expected a "
+                        "corekv.Engine")
+    return manager.pm.get_plugin(PUBLISHER_NAME)
+
+
+@hookimpl
+def corekv_on_engine_started(engine: Any) -> None:
+    section = getattr(engine.config, "kv_events", None)
+    if section is None or not section.enabled:
+        return
+    publisher = KVEventPublisher(section, block_size=engine.block_size)
+    # NOTE: registered on *this engine's* plugin manager, so each engine's events reach only its
+    # own publisher. There is no engine-closed hook: the sockets close when the engine is
+    # collected, or sooner with publisher_for(engine).close().
+    engine.plugin_manager.register(publisher, name=PUBLISHER_NAME)
+    weakref.finalize(engine, publisher.close)

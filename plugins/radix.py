@@ -251,8 +251,8 @@ class RadixBackend(RadixTreeOps, PrefixCacheBackend):
         removed = [h for n in {x for x in self._state if x.__class__ is Node and x.parent}
                    for h in (n.hashes or ())]
         self._init_state()
-        if removed and self.record_events:
-            self._events.append(BlockEvent("removed", tuple(removed)))
+        if self.record_events:
+            self._events.append(BlockEvent("removed", tuple(removed), is_cleared=True))
         self._pins.clear()
 
     def stats(self) -> dict[str, int]:
