@@ -1,0 +1,136 @@
+"""``corekv route``: the command-line side of :mod:`corekv.router`.
+
+Split from :mod:`corekv.cli` like :mod:`corekv.cli_store`; it reuses the CLI's parser class, usage
+errors and argument types. The config (``--config``) names the workers' model: the router loads
+only its tokenizer, to see prompts as the workers' engines do.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from urllib.parse import urlsplit
+
+from corekv.cli import UsageError, _float_at_least, _int_at_least, _load, _parser_kwargs
+
+DEFAULT_PORT = 8080
+
+
+def add_route_command(commands, common) -> None:
+    p = commands.add_parser("route", parents=[common], help="route requests across workers",
+                            **_parser_kwargs(
+                                "A cache-aware router in front of several `corekv serve` workers.\n"
+                                "Each OpenAI request goes to the worker most likely to hold its "
+                                "prompt's prefix\n(known from the workers' KV events, else from the "
+                                "prompts sent to them),\nunless load is skewed; unhealthy workers are "
+                                "skipped, and a request whose\nworker fails before answering is "
+                                "retried on another one.",
+                                "  corekv route --workers http://127.0.0.1:8001 "
+                                "http://127.0.0.1:8002 --port 8080\n"
+                                "  corekv route --config serve.yaml --workers http://gpu1:8000 "
+                                "http://gpu2:8000 --cache-threshold 0.5\n"
+                                "  corekv route --workers http://127.0.0.1:8001 "
+                                "http://127.0.0.1:8002 --policy round_robin\n",
+                                "endpoints: POST /v1/completions, POST /v1/chat/completions, "
+                                "GET /v1/models, GET /health,\nGET /workers (each worker's state). "
+                                "See docs/route.md.\n\n"))
+    p.add_argument("--workers", metavar="URL", nargs="+", required=True,
+                   help="the workers' base URLs (http://HOST:PORT), each once")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)")
+    p.add_argument("--port", metavar="P", type=_port, default=DEFAULT_PORT,
+                   help=f"port to listen on (default: {DEFAULT_PORT})")
+    p.add_argument("--policy", choices=("cache_aware", "round_robin"), default="cache_aware",
+                   help="cache_aware (default) or round_robin (the cache-blind baseline)")
+    p.add_argument("--cache-threshold", metavar="F", type=_fraction, default=0.3,
+                   help="follow the longest cached prefix when it covers at least this fraction "
+                        "of the prompt, else pick the worker with the most free cache "
+                        "(default: 0.3)")
+    p.add_argument("--balance-abs-threshold", metavar="N", type=_int_at_least(0), default=32,
+                   help="load is imbalanced when the most and least loaded workers' in-flight "
+                        "requests differ by more than N ... (default: 32)")
+    p.add_argument("--balance-rel-threshold", metavar="R", type=_float_at_least(1.0), default=1.5,
+                   help="... and the most loaded has more than R times the least's; then the least "
+                        "loaded worker gets the request (default: 1.5)")
+    p.add_argument("--health-interval", metavar="S", type=_positive_seconds, default=2.0,
+                   help="seconds between health checks of each worker (default: 2)")
+    p.add_argument("--max-retries", metavar="N", type=_int_at_least(0), default=2,
+                   help="other workers to try when a worker fails before answering (default: 2)")
+    p.add_argument("--tree-blocks", metavar="N", type=_int_at_least(1), default=65536,
+                   help="blocks each worker's cache view keeps when it is built from routed prompts "
+                        "(least recently routed evicted first; default: 65536)")
+    p.add_argument("--request-timeout", metavar="S", type=_positive_seconds, default=600.0,
+                   help="seconds to wait for a worker's answer (or next stream bytes) "
+                        "(default: 600)")
+    p.set_defaults(handler=cmd_route)
+
+
+def cmd_route(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from corekv.engine.models import load_tokenizer
+    from corekv.plugin import make_plugin_manager
+    from corekv.router.app import build_app
+    from corekv.router.policy import CacheAwareConfig, make_policy
+    from corekv.router.workers import WorkerPool
+
+    urls = [_worker_url(url) for url in args.workers]
+    duplicates = sorted({u for u in urls if urls.count(u) > 1})
+    if duplicates:
+        raise UsageError(f"--workers: got {', '.join(duplicates)} more than once; name each worker once")
+    if args.balance_rel_threshold == float("inf"):
+        raise UsageError("--balance-rel-threshold: got inf; expected a finite number >= 1")
+    cfg = _load(args)
+    tokenizer = load_tokenizer(cfg.model, plugin_manager=make_plugin_manager(cfg.plugins))
+    policy = make_policy(args.policy, CacheAwareConfig(
+        cache_threshold=args.cache_threshold, balance_abs_threshold=args.balance_abs_threshold,
+        balance_rel_threshold=args.balance_rel_threshold))
+    pool = WorkerPool(urls, block_size=cfg.engine.block_size, max_tree_blocks=args.tree_blocks,
+                      health_interval_s=args.health_interval)
+    app = build_app(pool, policy, tokenizer, max_retries=args.max_retries,
+                    request_timeout_s=args.request_timeout)
+    print(f"corekv route: http://{args.host}:{args.port} -> {len(urls)} workers "
+          f"({args.policy}, model {cfg.model})", file=sys.stderr, flush=True)
+    uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
+    return 0
+
+
+def _worker_url(text: str) -> str:
+    parts = urlsplit(text)
+    try:
+        port = parts.port
+    except ValueError:
+        port = None
+    if parts.scheme not in ("http", "https") or not parts.hostname or port is None \
+            or parts.path not in ("", "/") or parts.query or parts.fragment:
+        raise UsageError(f"--workers: got {text!r}; expected a worker's base URL "
+                         "http://HOST:PORT (e.g. http://127.0.0.1:8001), without a path")
+    return f"{parts.scheme}://{parts.netloc}"
+
+
+def _port(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"got {text!r}; expected a port number 1-65535") from None
+    if not 1 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"got {value}; expected a port number 1-65535")
+    return value
+
+
+def _fraction(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"got {text!r}; expected a number in [0, 1]") from None
+    if not 0.0 <= value <= 1.0:
+        raise argparse.ArgumentTypeError(f"got {value}; expected a number in [0, 1]")
+    return value
+
+
+def _positive_seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"got {text!r}; expected seconds > 0") from None
+    if not 0.0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"got {value}; expected seconds > 0 (finite)")
+    return value

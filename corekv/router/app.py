@@ -1,0 +1,217 @@
+"""The router's HTTP side: an ASGI app that forwards OpenAI requests to the chosen worker.
+
+``POST /v1/completions`` and ``POST /v1/chat/completions`` are tokenized as the engine does
+(:func:`corekv.engine.models.encode_prompt`), routed by the policy, and forwarded byte for byte;
+an SSE stream is relayed as it comes. ``GET /v1/models`` goes to any healthy worker. ``GET /health``
+is 200 while any worker is healthy; ``GET /workers`` shows each worker's state.
+
+Retries: a request whose worker cannot be reached, drops the connection, or answers 502/503/504
+*before the router sent the client a byte* goes to another worker (``max_retries`` times); so a
+worker that dies loses no request that has not started streaming. Other answers (a worker's 4xx
+included) are passed through unchanged.
+"""
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import AsyncIterator, Hashable
+from contextlib import asynccontextmanager
+from typing import Any
+
+import httpx
+from starlette.applications import Starlette
+from starlette.background import BackgroundTask
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from corekv.router.policy import CacheAwarePolicy, RoundRobinPolicy
+from corekv.router.workers import Worker, WorkerPool
+
+logger = logging.getLogger(__name__)
+
+RETRY_STATUSES = frozenset({502, 503, 504})
+# NOTE: hop-by-hop headers, and those httpx/Starlette recompute for the body they actually send
+_DROPPED_HEADERS = frozenset({"host", "connection", "keep-alive", "transfer-encoding",
+                              "content-length", "content-encoding", "accept-encoding", "upgrade",
+                              "proxy-connection", "te", "trailer"})
+
+
+def build_app(pool: WorkerPool, policy: CacheAwarePolicy | RoundRobinPolicy, tokenizer: Any, *,
+              max_retries: int = 2, request_timeout_s: float = 600.0) -> Starlette:
+    """The router app; its lifespan starts the health checks and the forwarding client."""
+    router = _Router(pool, policy, tokenizer, max_retries, request_timeout_s)
+
+    @asynccontextmanager
+    async def lifespan(app):
+        router.client = httpx.AsyncClient(
+            timeout=httpx.Timeout(request_timeout_s, connect=5.0),
+            limits=httpx.Limits(max_connections=None, max_keepalive_connections=64))
+        await pool.start()
+        try:
+            yield
+        finally:
+            await pool.close()
+            await router.client.aclose()
+
+    routes = [Route("/v1/completions", router.completions, methods=["POST"]),
+              Route("/v1/chat/completions", router.chat, methods=["POST"]),
+              Route("/v1/models", router.models, methods=["GET"]),
+              Route("/health", router.health, methods=["GET"]),
+              Route("/workers", router.workers, methods=["GET"])]
+    app = Starlette(routes=routes, lifespan=lifespan)
+    app.state.router = router
+    return app
+
+
+class _Router:
+    def __init__(self, pool, policy, tokenizer, max_retries: int, request_timeout_s: float):
+        self.pool, self.policy, self.tokenizer = pool, policy, tokenizer
+        self.max_retries, self.request_timeout_s = max_retries, request_timeout_s
+        self.client: httpx.AsyncClient | None = None
+
+    async def completions(self, request: Request) -> Response:
+        return await self._generate(request, "/v1/completions", chat=False)
+
+    async def chat(self, request: Request) -> Response:
+        return await self._generate(request, "/v1/chat/completions", chat=True)
+
+    async def models(self, request: Request) -> Response:
+        return await self._forward(request, "GET", "/v1/models", b"", [], None, stream=False)
+
+    async def health(self, request: Request) -> Response:
+        num_healthy = len(self.pool.healthy_workers())
+        body = {"status": "ok" if num_healthy else "unavailable", "healthy_workers": num_healthy,
+                "workers": len(self.pool.workers)}
+        return JSONResponse(body, status_code=200 if num_healthy else 503)
+
+    async def workers(self, request: Request) -> Response:
+        return JSONResponse({"policy": self.policy.name,
+                             "workers": [w.state() for w in self.pool.workers]})
+
+    # -- forwarding --------------------------------------------------------------------------------
+    async def _generate(self, request: Request, path: str, *, chat: bool) -> Response:
+        body = await request.body()
+        try:
+            payload = json.loads(body)
+        except ValueError:
+            payload = None  # NOTE: the worker answers the 400, in its own words
+        token_ids, salt = prompt_token_ids(self.tokenizer, payload, chat=chat)
+        stream = isinstance(payload, dict) and payload.get("stream") is True
+        return await self._forward(request, "POST", path, body, token_ids, salt, stream=stream)
+
+    async def _forward(self, request: Request, method: str, path: str, body: bytes,
+                       token_ids: list[int], salt: Hashable, *, stream: bool) -> Response:
+        headers = {k: v for k, v in request.headers.items() if k.lower() not in _DROPPED_HEADERS}
+        tried: set[int] = set()
+        failures: list[str] = []
+        for _ in range(self.max_retries + 1):
+            worker = self._pick(tried, token_ids, salt)
+            if worker is None:
+                break
+            tried.add(worker.index)
+            ticket = worker.begin(token_ids, salt)
+            try:
+                upstream = await self.client.send(
+                    self.client.build_request(method, worker.url + path, content=body,
+                                              headers=headers), stream=True)
+            except httpx.HTTPError as e:
+                self._failed(worker, ticket, failures, e)
+                continue
+            if upstream.status_code in RETRY_STATUSES:
+                await upstream.aclose()
+                worker.finish(ticket)
+                failures.append(f"{worker.url}: HTTP {upstream.status_code}")
+                continue
+            out_headers = {k: v for k, v in upstream.headers.items()
+                           if k.lower() not in _DROPPED_HEADERS}
+            chunks = upstream.aiter_bytes()
+            try:
+                # NOTE: read the first bytes (a whole body when not streaming) before answering:
+                # until the client has a byte, a dead worker can still be replaced.
+                first = (await upstream.aread()) if not stream else await anext(chunks, b"")
+            except httpx.HTTPError as e:
+                await upstream.aclose()
+                self._failed(worker, ticket, failures, e)
+                continue
+            if not stream:
+                await upstream.aclose()
+                worker.finish(ticket)
+                return Response(first, status_code=upstream.status_code, headers=out_headers)
+            return StreamingResponse(
+                _relay(first, chunks, upstream, worker, ticket), status_code=upstream.status_code,
+                headers=out_headers, background=BackgroundTask(_close, upstream, worker, ticket))
+        return self._unavailable(failures)
+
+    def _pick(self, tried: set[int], token_ids: list[int], salt: Hashable) -> Worker | None:
+        candidates = [w for w in self.pool.healthy_workers() if w.index not in tried]
+        if not candidates:
+            # NOTE: every healthy worker failed (or none is known healthy yet): try the others
+            # rather than fail, a worker marked down by one lost connection may be fine again.
+            candidates = [w for w in self.pool.workers if w.index not in tried]
+        if not candidates:
+            return None
+        return self.policy.choose(candidates, token_ids, salt).worker
+
+    def _failed(self, worker: Worker, ticket: int, failures: list[str], error: Exception) -> None:
+        worker.finish(ticket)
+        worker.num_failures += 1
+        worker.mark_down(f"{type(error).__name__}: {error}")
+        failures.append(f"{worker.url}: {type(error).__name__}")
+
+    def _unavailable(self, failures: list[str]) -> Response:
+        if failures:
+            message = (f"no worker answered after {len(failures)} attempts "
+                       f"({'; '.join(failures)}); retry later or check the workers (GET /workers)")
+            status = 502
+        else:
+            message = "no worker is available; check the workers (GET /workers)"
+            status = 503
+        return JSONResponse({"error": {"message": message, "type": "router_error", "param": None,
+                                       "code": status}}, status_code=status)
+
+
+async def _relay(first: bytes, chunks: AsyncIterator[bytes], upstream: httpx.Response,
+                 worker: Worker, ticket: int) -> AsyncIterator[bytes]:
+    try:
+        if first:
+            yield first
+        async for chunk in chunks:
+            yield chunk
+    except httpx.HTTPError as e:
+        # NOTE: the client already has part of the stream; another worker cannot continue it.
+        logger.warning("worker %s broke a stream mid-way (%s)", worker.url, e)
+        worker.num_failures += 1
+    finally:
+        # NOTE: also in the background task: Starlette skips that when the client disconnects,
+        # and this finally may not run when the client disconnects; finish() is idempotent.
+        await _close(upstream, worker, ticket)
+
+
+async def _close(upstream: httpx.Response, worker: Worker, ticket: int) -> None:
+    await upstream.aclose()
+    worker.finish(ticket)
+
+
+def prompt_token_ids(tokenizer: Any, payload: Any, *, chat: bool) -> tuple[list[int], Hashable]:
+    """The prompt's token ids as the worker's engine will see them, and its ``cache_salt``.
+
+    ``([], salt)`` when the body is not a valid request: the router then routes by load alone and
+    the worker answers with the error."""
+    from corekv.engine.models import encode_prompt
+    from corekv.server.protocol import APIError, parse_messages
+
+    if not isinstance(payload, dict):
+        return [], None
+    salt = payload.get("cache_salt")
+    salt = salt if isinstance(salt, str) else None
+    prompt = payload.get("messages") if chat else payload.get("prompt")
+    try:
+        if chat:
+            prompt = parse_messages(prompt)
+        elif isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+            prompt = prompt[0]  # a one-prompt batch, as the server reads it
+        return encode_prompt(tokenizer, prompt), salt
+    except (APIError, Exception) as e:  # NOTE: any tokenizer failure: the worker will say why
+        logger.debug("prompt not tokenized (%s); routing by load", e)
+        return [], salt

@@ -1,0 +1,261 @@
+"""The router's view of its workers: health, in-flight load, and what each one has cached.
+
+A worker's cache is known from its KV events when ``GET /admin/info`` announces a publisher
+(``kv_events``), else guessed from the prompts routed to it. Health checks poll ``GET /health``;
+a worker that fails one (or a proxied request) leaves the rotation, and its cache view is dropped
+(a worker that comes back has usually restarted with an empty cache); it rejoins on its next
+successful check, with ``/admin/info`` read again and its events subscribed again.
+"""
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+from collections.abc import Hashable, Sequence
+from typing import Any
+from urllib.parse import urlsplit
+
+from corekv.router.tree import BlockTree
+
+logger = logging.getLogger(__name__)
+
+#: the media whose events describe the worker's device cache (``None``: corekv; ``GPU``: vLLM)
+DEVICE_MEDIA = (None, "GPU")
+
+
+class Worker:
+    """One ``corekv serve`` worker.
+
+    Invariants: ``load`` is the number of requests the router has sent and not yet finished
+    (each :meth:`begin` is ended by exactly one :meth:`finish`); ``pending`` holds exactly those
+    requests' prompts; the cache view is ``events_tree`` while a subscriber feeds it, else
+    ``routed_tree``; both trees are touched on the event loop's thread only.
+    """
+
+    def __init__(self, index: int, url: str, *, block_size: int, max_tree_blocks: int):
+        self.index, self.url = index, url.rstrip("/")
+        self.block_size, self.max_tree_blocks = block_size, max_tree_blocks
+        self.is_healthy = False
+        self.load = 0
+        self.info: dict[str, Any] | None = None
+        self.routed_tree = BlockTree(block_size, max_blocks=max_tree_blocks)
+        self.events_tree: BlockTree | None = None
+        self.subscriber: Any = None
+        self.pending: dict[int, tuple[Hashable, Sequence[int]]] = {}
+        self.num_requests = self.num_failures = self.num_event_batches = 0
+        self._ids = itertools.count()
+
+    @property
+    def num_tree_blocks(self) -> int:
+        return self._tree().num_blocks
+
+    def match(self, token_ids: Sequence[int], cache_salt: Hashable) -> int:
+        """Prompt tokens believed cached here: the tree's match, or a prompt still in flight here
+        (NOTE: its KV events come only once its prefill ran; until then a request that shares its
+        prefix should still follow it)."""
+        if self.events_tree is None:
+            return self.routed_tree.match(token_ids, cache_salt)
+        best = self.events_tree.match(token_ids, None)  # NOTE: events carry no salt
+        for salt, other in self.pending.values():
+            if salt == cache_salt and best < len(token_ids):
+                best = max(best, _common_blocks(token_ids, other, self.block_size))
+        return best
+
+    def begin(self, token_ids: Sequence[int], cache_salt: Hashable) -> int:
+        """Count a request sent here (and remember its prompt); returns the id :meth:`finish` takes."""
+        request_id = next(self._ids)
+        self.load += 1
+        self.num_requests += 1
+        token_ids = token_ids if isinstance(token_ids, list) else list(token_ids)
+        self.pending[request_id] = (cache_salt, token_ids)  # NOTE: a list: _common_blocks slices
+        if self.events_tree is None:
+            self.routed_tree.insert(token_ids, cache_salt)
+        return request_id
+
+    def finish(self, request_id: int) -> None:
+        if self.pending.pop(request_id, None) is not None:
+            self.load -= 1
+
+    def mark_down(self, reason: str) -> None:
+        """Leave the rotation until a health check succeeds; forget the cache view."""
+        if self.is_healthy:
+            logger.warning("worker %s is down (%s)", self.url, reason)
+        self.is_healthy = False
+        self.routed_tree.clear()
+        self._stop_events()
+
+    def set_info(self, info: dict[str, Any] | None) -> None:
+        """Take the worker's ``/admin/info`` (its block size sizes the cache view)."""
+        self.info = info
+        block_size = (info or {}).get("block_size")
+        if isinstance(block_size, int) and block_size >= 1 and block_size != self.block_size:
+            logger.warning("worker %s uses block_size %d, not %d", self.url, block_size,
+                           self.block_size)
+            self.block_size = block_size
+            self.routed_tree = BlockTree(block_size, max_blocks=self.max_tree_blocks)
+
+    def apply_batch(self, seq: int, batch: Any) -> None:
+        """Apply one KV event batch (on the event loop's thread)."""
+        from corekv.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
+
+        tree = self.events_tree
+        if tree is None:
+            return  # NOTE: a batch queued before the subscriber was closed
+        self.num_event_batches += 1
+        for event in batch.events:
+            if isinstance(event, BlockStored) and event.medium in DEVICE_MEDIA:
+                if event.lora_id is None:
+                    tree.store(event.block_hashes, event.parent_block_hash, event.token_ids)
+            elif isinstance(event, BlockRemoved) and event.medium in DEVICE_MEDIA:
+                tree.remove(event.block_hashes)
+            elif isinstance(event, AllBlocksCleared):
+                tree.clear()
+
+    def state(self) -> dict[str, Any]:
+        """The worker as ``GET /workers`` shows it."""
+        events = None
+        if self.subscriber is not None:
+            events = {"endpoint": self.subscriber.endpoint, "batches": self.num_event_batches,
+                      "last_seq": self.subscriber.last_seq, "missed": self.subscriber.num_missed}
+        return {"url": self.url, "healthy": self.is_healthy, "in_flight": self.load,
+                "requests": self.num_requests, "failures": self.num_failures,
+                "cache_view": "events" if self.events_tree is not None else "routed_prompts",
+                "tree_blocks": self.num_tree_blocks, "events_connected": self.subscriber is not None,
+                "events": events, "model": (self.info or {}).get("model")}
+
+    # -- helpers --------------------------------------------------------------------------------
+    def _tree(self) -> BlockTree:
+        return self.events_tree if self.events_tree is not None else self.routed_tree
+
+    def start_events(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Subscribe to the KV events ``self.info`` announces (if any); failures leave the
+        routed-prompt view in place."""
+        spec = (self.info or {}).get("kv_events")
+        if not spec or self.subscriber is not None:
+            return
+        try:
+            from corekv.kv_events import KVEventSubscriber
+
+            replay = spec.get("replay_endpoint")
+            subscriber = KVEventSubscriber(
+                self._reachable(spec["endpoint"]),
+                replay_endpoint=self._reachable(replay) if replay else None,
+                topic=spec.get("topic") or "",
+                on_batch=lambda seq, batch: loop.call_soon_threadsafe(self.apply_batch, seq, batch),
+                start_seq=0 if replay else None)
+            self.events_tree = BlockTree(self.block_size)
+            self.subscriber = subscriber.start()
+        except Exception as e:  # NOTE: events are an optimisation: route on routed prompts instead
+            logger.warning("worker %s: cannot subscribe to its KV events %s (%s); routing on the "
+                           "prompts sent to it instead", self.url, spec, e)
+            self.events_tree = self.subscriber = None
+
+    def _stop_events(self) -> None:
+        subscriber, self.subscriber, self.events_tree = self.subscriber, None, None
+        if subscriber is not None:
+            subscriber.close(timeout_s=0.5)
+
+    def _reachable(self, endpoint: str) -> str:
+        """A publisher bound to every interface (``tcp://*:5557``) is reached at the worker's host."""
+        scheme, _, rest = endpoint.partition("://")
+        host, sep, port = rest.rpartition(":")
+        if scheme == "tcp" and sep and host in ("*", "0.0.0.0", "[::]", "::"):
+            return f"tcp://{urlsplit(self.url).hostname}:{port}"
+        return endpoint
+
+
+def _common_blocks(a: Sequence[int], b: Sequence[int], block_size: int) -> int:
+    """Tokens in the whole blocks ``a`` and ``b`` share from the start (binary search on slices)."""
+    low, high = 0, min(len(a), len(b)) // block_size
+    while low < high:
+        mid = (low + high + 1) // 2
+        if a[:mid * block_size] == b[:mid * block_size]:
+            low = mid
+        else:
+            high = mid - 1
+    return low * block_size
+
+
+class WorkerPool:
+    """The workers, in ``--workers`` order, and the task that checks their health.
+
+    Invariant: ``workers[i].index == i``; only the event loop's thread changes a worker's state.
+    """
+
+    def __init__(self, urls: Sequence[str], *, block_size: int, max_tree_blocks: int,
+                 health_interval_s: float, use_events: bool = True):
+        self.workers = [Worker(i, url, block_size=block_size, max_tree_blocks=max_tree_blocks)
+                        for i, url in enumerate(urls)]
+        self.health_interval_s = health_interval_s
+        self.use_events = use_events
+        self._client: Any = None
+        self._task: asyncio.Task | None = None
+
+    def healthy_workers(self) -> list[Worker]:
+        return [w for w in self.workers if w.is_healthy]
+
+    async def start(self) -> None:
+        """Check every worker once (so the first requests find the healthy ones), then keep
+        checking every ``health_interval_s`` in the background."""
+        import httpx
+
+        timeout = min(max(self.health_interval_s, 1.0), 10.0)
+        self._client = httpx.AsyncClient(timeout=timeout)
+        await self.check_all()
+        self._task = asyncio.create_task(self._check_forever())
+
+    async def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            try:
+                await self._task
+            except asyncio.CancelledError:
+                pass
+        for worker in self.workers:
+            worker._stop_events()
+        if self._client is not None:
+            await self._client.aclose()
+
+    async def check_all(self) -> None:
+        await asyncio.gather(*(self.check(w) for w in self.workers))
+
+    async def check(self, worker: Worker) -> bool:
+        """Poll ``GET /health``; a worker that recovers rejoins with its info re-read."""
+        import httpx
+
+        try:
+            response = await self._client.get(worker.url + "/health")
+            reason = None if response.status_code == 200 else f"/health answered {response.status_code}"
+        except httpx.HTTPError as e:
+            reason = f"/health failed: {type(e).__name__}: {e}"
+        if reason is not None:
+            if worker.is_healthy:
+                worker.mark_down(reason)
+            return False
+        if not worker.is_healthy:
+            worker.set_info(await self._read_info(worker))
+            if self.use_events:
+                worker.start_events(asyncio.get_running_loop())
+            worker.is_healthy = True
+            logger.warning("worker %s is up (cache view: %s)", worker.url,
+                           "events" if worker.events_tree is not None else "routed prompts")
+        return True
+
+    async def _read_info(self, worker: Worker) -> dict[str, Any] | None:
+        import httpx
+
+        try:
+            response = await self._client.get(worker.url + "/admin/info")
+            info = response.json() if response.status_code == 200 else None
+        except (httpx.HTTPError, ValueError) as e:
+            logger.warning("worker %s: GET /admin/info failed (%s)", worker.url, e)
+            return None
+        return info if isinstance(info, dict) else None
+
+    async def _check_forever(self) -> None:
+        while True:
+            await asyncio.sleep(self.health_interval_s)
+            try:
+                await self.check_all()
+            except Exception:  # NOTE: a bug in one round must not end health checking for good
+                logger.exception("health check round failed")
