@@ -112,6 +112,11 @@ class AsyncEngine:
         self._thread.start()
 
     @property
+    def num_pending(self) -> int:
+        """Requests and calls handed in that the engine thread has not taken yet."""
+        return self._inbox.qsize()
+
+    @property
     def is_alive(self) -> bool:
         return self._thread.is_alive() and self.dead_reason is None
 

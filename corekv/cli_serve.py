@@ -1,0 +1,89 @@
+"""``corekv serve``: the command-line side of :mod:`corekv.server` (an OpenAI-compatible server).
+
+Split from :mod:`corekv.cli` (which builds the parser and runs the handlers) to keep each module
+about one thing; it reuses the CLI's parser class, usage errors and argument types.
+"""
+from __future__ import annotations
+
+import argparse
+import math
+
+from corekv.cli import UsageError, _load, _parser_kwargs
+
+
+def add_serve_command(commands, common) -> None:
+    from corekv.server.serving import LOG_LEVELS
+
+    p = commands.add_parser("serve", parents=[common], help="serve the OpenAI API over HTTP",
+                            **_parser_kwargs(
+                                "Serve the config's model with an OpenAI-compatible API "
+                                "(/v1/completions, /v1/chat/completions, /v1/models), plus "
+                                "/health, /metrics and /admin/{warm,unpin,stats,info}. SIGTERM or "
+                                "Ctrl-C stops accepting requests, lets those in flight finish "
+                                "(at most --drain-timeout seconds), then closes the engine, which "
+                                "writes pending blocks to the storage tiers.",
+                                "  corekv serve --config cache.yaml\n"
+                                "  corekv serve --config cache.yaml --host 0.0.0.0 --port 8080\n"
+                                "  corekv serve --served-model-name smollm2 --drain-timeout 10\n"))
+    p.add_argument("--host", default="127.0.0.1",
+                   help="address to listen on (default: 127.0.0.1; 0.0.0.0 for every interface)")
+    p.add_argument("--port", type=_port, default=8000,
+                   help="TCP port (default: 8000; 0 picks a free one, logged at startup)")
+    p.add_argument("--served-model-name", metavar="NAME", type=_non_empty,
+                   help="the model id clients send and /v1/models lists (default: the config's model)")
+    p.add_argument("--drain-timeout", metavar="S", type=_seconds, default=30.0,
+                   help="on shutdown, seconds to let requests in flight finish (default: 30)")
+    p.add_argument("--log-level", metavar="L", type=_choice(LOG_LEVELS), default="info",
+                   help=f"server log level: {', '.join(LOG_LEVELS)} (default: info)")
+    p.set_defaults(handler=cmd_serve)
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from corekv.server.serving import serve
+
+    if not args.host.strip():
+        raise UsageError("--host: got an empty string; pass an address such as 127.0.0.1 or 0.0.0.0")
+    cfg = _load(args)
+    try:
+        serve(cfg, args.host, args.port, served_model_name=args.served_model_name,
+              drain_timeout=args.drain_timeout, log_level=args.log_level)
+    except OSError as e:  # NOTE: the address cannot be bound; the message names it and the fix
+        from corekv.errors import CoreKVError
+
+        raise CoreKVError(str(e)) from e
+    return 0
+
+
+# -- argument types ------------------------------------------------------------------------------
+def _port(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"got {text!r}; expected an integer port in 0..65535") from None
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"got {value}; expected an integer port in 0..65535")
+    return value
+
+
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"got {text!r}; expected a number of seconds >= 0") from None
+    if not math.isfinite(value) or value < 0:
+        raise argparse.ArgumentTypeError(f"got {text!r}; expected a finite number of seconds >= 0")
+    return value
+
+
+def _non_empty(text: str) -> str:
+    if not text.strip():
+        raise argparse.ArgumentTypeError(f"got {text!r}; expected a non-empty name")
+    return text
+
+
+def _choice(choices: tuple[str, ...]):
+    def parse(text: str) -> str:
+        if text.lower() not in choices:
+            raise argparse.ArgumentTypeError(f"got {text!r}; expected one of {', '.join(choices)}")
+        return text.lower()
+    return parse

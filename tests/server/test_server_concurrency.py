@@ -1,0 +1,97 @@
+"""Concurrent requests share engine steps (continuous batching through the one engine thread), and
+a client that goes away mid-stream aborts its request in the engine."""
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import httpx
+from server_helpers import MODEL_ID, wait_until
+
+NUM_STREAMS = 4
+MAX_TOKENS = 16
+
+
+def hold_engine_thread(server) -> threading.Event:
+    """Block the engine thread inside a call until the returned event is set."""
+    runner = server.app.state.async_engine
+    gate, entered = threading.Event(), threading.Event()
+
+    def wait(engine):
+        entered.set()
+        gate.wait(60)
+
+    threading.Thread(target=lambda: asyncio.run(runner.call(wait)), daemon=True).start()
+    assert entered.wait(30), "the engine thread did not take the call"
+    return gate
+
+
+def test_concurrent_streams_run_in_the_same_steps(server, client):
+    runner = server.app.state.async_engine
+    steps_before = httpx.get(server.url + "/admin/stats", timeout=30).json()["num_steps"]
+    gate = hold_engine_thread(server)
+    texts: dict[int, str] = {}
+
+    def stream(i: int) -> None:
+        chunks = client.completions.create(model=MODEL_ID, prompt=f"stream number {i} says",
+                                           max_tokens=MAX_TOKENS, temperature=0.0, stream=True,
+                                           extra_body={"ignore_eos": True})
+        texts[i] = "".join(c.choices[0].text for c in chunks)
+
+    threads = [threading.Thread(target=stream, args=(i,)) for i in range(NUM_STREAMS)]
+    for t in threads:
+        t.start()
+    try:
+        wait_until(lambda: runner.num_pending == NUM_STREAMS, what="all requests to be queued")
+    finally:
+        gate.set()
+    for t in threads:
+        t.join(60)
+    assert len(texts) == NUM_STREAMS
+    steps = httpx.get(server.url + "/admin/stats", timeout=30).json()["num_steps"] - steps_before
+    # NOTE: one after another they would take NUM_STREAMS * MAX_TOKENS steps; batched, the
+    # prompts prefill in one step and every decode step serves all of them.
+    assert steps == MAX_TOKENS
+
+
+def test_greedy_text_does_not_depend_on_what_shares_the_batch(server, client):
+    prompt = "batched or alone"
+    alone = client.completions.create(model=MODEL_ID, prompt=prompt, max_tokens=MAX_TOKENS,
+                                      temperature=0.0, extra_body={"ignore_eos": True}).choices[0].text
+    gate = hold_engine_thread(server)
+    results = []
+
+    def ask(p):
+        results.append((p, client.completions.create(
+            model=MODEL_ID, prompt=p, max_tokens=MAX_TOKENS, temperature=0.0,
+            extra_body={"ignore_eos": True}).choices[0].text))
+
+    threads = [threading.Thread(target=ask, args=(p,)) for p in (prompt, "another prompt", "third")]
+    for t in threads:
+        t.start()
+    wait_until(lambda: server.app.state.async_engine.num_pending == 3, what="3 queued requests")
+    gate.set()
+    for t in threads:
+        t.join(60)
+    assert dict(results)[prompt] == alone
+
+
+def test_a_client_that_disconnects_mid_stream_aborts_its_request(server, recorder):
+    max_tokens = 3000  # NOTE: far more than can finish before the disconnect reaches the engine
+    prompt = "a very long answer that nobody will read"
+    body = {"model": MODEL_ID, "prompt": prompt, "max_tokens": max_tokens, "stream": True,
+            "temperature": 0.0, "ignore_eos": True}
+    with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=60) as r:
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            if line.startswith("data: "):
+                break  # one chunk read, then the connection is closed
+
+    def finished():
+        return [o for o in recorder.outputs if o.prompt == prompt]
+
+    (output,) = wait_until(finished, what="the aborted request to finish")
+    assert output.finish_reason == "abort"
+    assert len(output.token_ids) < max_tokens
+    stats = httpx.get(server.url + "/admin/stats", timeout=30).json()
+    assert stats["num_running"] == 0 and stats["num_waiting"] == 0
