@@ -159,9 +159,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--stats", action="store_true", help="also print the engine's stats (stderr)")
     p.add_argument("--json", action="store_true", help="with --stats: the stats as JSON")
     p.set_defaults(handler=_cmd_warm)
+    from corekv.cli_serve import add_serve_command
+    from corekv.cli_route import add_route_command
     from corekv.cli_store import add_store_commands
 
     add_store_commands(commands, common)
+    add_route_command(commands, common)
+    add_serve_command(commands, common)
     return parser
 
 
