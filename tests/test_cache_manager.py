@@ -228,3 +228,146 @@ def test_swap_out_and_a_private_block_come_back_byte_identical():
     stats = manager.stats()["host"]
     assert stats["swapped_in_blocks"] == 1 and stats["reloads"] == 2 and stats["misses"] >= 1
     manager.close()
+
+
+# -- prefetch ---------------------------------------------------------------------------------
+def offloaded(pool: KVPool, key: PrefixKey, tier) -> torch.Tensor:
+    """Store ``key``'s blocks (taken from pool blocks 0..) in ``tier``; returns their bytes."""
+    n = len(key.block_hashes)
+    original = pool.read_blocks(list(range(n))).clone()
+    payload = original.view(torch.uint8).reshape(n, -1).numpy()
+    tier.put([(h, payload[i]) for i, h in enumerate(key.block_hashes)])
+    return original
+
+
+def test_a_prefetched_prefix_loads_the_same_bytes_as_a_synchronous_load():
+    pool = make_pool(12)
+    host = HostTier(size=8 * 4096, **tier_kwargs(pool))
+    key = make_key(3)
+    original = offloaded(pool, key, host)
+    manager = CacheManager([host], pool)
+    prefetch = manager.prefetch(key, 0, 3)
+    prefetch.future.result()  # the job ran: admission finds the rows ready
+    assert manager.prefetch_stats()["num_staged_blocks"] == 3
+    host.delete(key.block_hashes)  # gone from the tier since: the staged bytes still serve
+
+    assert manager.load_prefix(key, 0, 3, [5, 6, 7], prefetch) == {"host": 3}
+    assert torch.equal(pool.read_blocks([5, 6, 7]), original)
+    stats = manager.prefetch_stats()
+    assert stats["ready"] == 1 and stats["waited"] == 0 and stats["used_blocks"] == 3
+    assert stats["num_staged_blocks"] == 0, "admission released the staging"
+    assert manager.stats()["host"]["prefetched_blocks"] == manager.stats()["host"]["reloads"] == 3
+    manager.close()
+
+
+def test_admission_rechecks_the_device_match_against_the_prefetch():
+    pool = make_pool(16)
+    host = HostTier(size=8 * 4096, **tier_kwargs(pool))
+    key = make_key(4)
+    original = offloaded(pool, key, host)
+    manager = CacheManager([host], pool)
+    # the device gained block 0 since arrival: block 0's staged row is not used
+    grew = manager.prefetch(key, 0, 4)
+    grew.future.result()
+    assert manager.load_prefix(key, 1, 4, [8, 9, 10], grew) == {"host": 3}
+    assert torch.equal(pool.read_blocks([8, 9, 10]), original[1:])
+    assert manager.prefetch_stats()["dropped_blocks"] == 1
+    # the device lost blocks 0-1 since arrival: they load synchronously, then the staged rows
+    shrank = manager.prefetch(key, 2, 4)
+    shrank.future.result()
+    assert manager.load_prefix(key, 0, 4, [11, 12, 13, 14], shrank) == {"host": 4}
+    assert torch.equal(pool.read_blocks([11, 12, 13, 14]), original)
+    assert manager.prefetch_stats()["used_blocks"] == 3 + 2
+    manager.close()
+
+
+def test_a_prefetch_that_vanished_or_missed_falls_back_to_what_the_tiers_hold(tmp_path):
+    pool = make_pool(12)
+    host = HostTier(size=8 * 4096, **tier_kwargs(pool))
+    key = make_key(3)
+    manager = CacheManager([host], pool)
+    early = manager.prefetch(key, 0, 3)  # nothing stored yet: stages nothing
+    early.future.result()
+    original = offloaded(pool, key, host)  # stored after the prefetch ran (another request's offload)
+    assert manager.load_prefix(key, 0, 3, [5, 6, 7], early) == {"host": 3}
+    assert torch.equal(pool.read_blocks([5, 6, 7]), original)
+    host.delete(key.block_hashes[1:])  # vanished before the next prefetch: it stages one block
+    late = manager.prefetch(key, 0, 3)
+    late.future.result()
+    assert manager.load_prefix(key, 0, 3, [8, 9, 10], late) == {"host": 1}
+    assert manager.prefetch_stats()["staged_blocks"] == 1
+    manager.close()
+
+
+def test_dropping_a_prefetch_releases_its_staging_and_counts_it():
+    pool = make_pool(12)
+    host = HostTier(size=8 * 4096, **tier_kwargs(pool))
+    key = make_key(3)
+    offloaded(pool, key, host)
+    manager = CacheManager([host], pool)
+    prefetch = manager.prefetch(key, 0, 3)
+    manager.drop_prefetch(prefetch)
+    manager.close()  # waits for a running job; its done-callback releases the staging
+    stats = manager.prefetch_stats()
+    assert stats["dropped"] == 1 and stats["num_staged_blocks"] == 0 and stats["used_blocks"] == 0
+    assert stats["dropped_blocks"] == stats["staged_blocks"]
+
+
+def test_a_prefetch_not_started_by_admission_is_cancelled_and_loaded_synchronously():
+    """The prefetch thread is held at a gate (a wrapper around the real staging function), so
+    the second job is still queued at its admission."""
+    import threading
+
+    from corekv.prefetch import Prefetcher
+
+    pool = make_pool(16)
+    host = HostTier(size=8 * 4096, **tier_kwargs(pool))
+    key_a, key_b = make_key(2, salt="a"), make_key(2, salt="b")
+    offloaded(pool, key_a, host)
+    original_b = offloaded(pool, key_b, host)
+    manager = CacheManager([host], pool)
+    gate, entered = threading.Event(), threading.Event()
+
+    def gated_stage(*args):
+        entered.set()
+        gate.wait(timeout=30)
+        return manager._stage(*args)
+
+    manager.prefetcher.close()
+    manager.prefetcher = Prefetcher(gated_stage, max_blocks=8)
+    first = manager.prefetch(key_a, 0, 2)
+    entered.wait(timeout=30)
+    second = manager.prefetch(key_b, 0, 2)  # queued behind the held job
+    assert manager.load_prefix(key_b, 0, 2, [10, 11], second) == {"host": 2}
+    assert torch.equal(pool.read_blocks([10, 11]), original_b)
+    threading.Timer(0.05, gate.set).start()
+    assert manager.load_prefix(key_a, 0, 2, [12, 13], first) == {"host": 2}
+    stats = manager.prefetch_stats()
+    assert stats["fallbacks"] == 1 and stats["waited"] == 1 and stats["staged_blocks"] == 2
+    assert stats["used_blocks"] == 2 and stats["num_staged_blocks"] == 0
+    manager.close()
+
+
+def test_prefetch_stages_at_most_its_bound_and_loads_the_rest_synchronously(tmp_path):
+    pool = make_pool(16)
+    host = HostTier(size=8 * 4096, **tier_kwargs(pool))
+    disk = LMDBTier(path=str(tmp_path / "kv"), size=1 << 22, **tier_kwargs(pool))
+    key = make_key(4)
+    original = offloaded(pool, key, disk)  # only in the lower tier: staged rows get promoted
+    manager = CacheManager([host, disk], pool, prefetch_blocks=3)
+    prefetch = manager.prefetch(key, 0, 4)
+    prefetch.future.result()
+    assert manager.prefetch_stats()["num_staged_blocks"] == 3
+    assert manager.load_prefix(key, 0, 4, [8, 9, 10, 11], prefetch) == {"lmdb": 4}
+    assert torch.equal(pool.read_blocks([8, 9, 10, 11]), original)
+    manager.flush()
+    assert host.exists(key.block_hashes) == 4, "staged and synchronous loads were both promoted"
+    assert manager.stats()["lmdb"]["prefetched_blocks"] == 3
+    manager.close()
+    for bad in (-1, 1.5, True):
+        try:
+            CacheManager([], pool, prefetch_blocks=bad)
+        except ValueError as e:
+            assert "prefetch_blocks" in str(e)
+        else:
+            raise AssertionError(f"prefetch_blocks={bad!r} was accepted")
