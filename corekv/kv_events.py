@@ -61,7 +61,7 @@ class BlockStored:
 
     def __post_init__(self) -> None:
         _set_tuple(self, "block_hashes", self.block_hashes, _check_hash)
-        _set_tuple(self, "token_ids", self.token_ids, _check_int)
+        _set_tuple(self, "token_ids", self.token_ids, _check_token)
         if self.parent_block_hash is not None:
             _check_hash("parent_block_hash", self.parent_block_hash)
         _check_int("block_size", self.block_size)
@@ -195,6 +195,11 @@ def _check_hash(name: str, value: Any) -> None:
 def _check_int(name: str, value: Any) -> None:
     if value.__class__ is not int:
         raise TypeError(f"{name} got {_short(value)}; expected an int")
+
+
+def _check_token(name: str, value: Any) -> None:
+    if value.__class__ is not int:
+        raise TypeError(f"{name} holds {_short(value)}; expected token ids (ints)")
 
 
 def _check_medium(value: Any) -> None:
