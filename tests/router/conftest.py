@@ -1,0 +1,65 @@
+"""Fixtures for the router tests: three real ``corekv serve`` workers (subprocesses on loopback
+serving the tiny model, each publishing KV events), started once per session, and a router run
+in-process under uvicorn on a thread for each test that needs one."""
+from __future__ import annotations
+
+import pytest
+import yaml
+from router_helpers import (BLOCK_SIZE, NUM_BLOCKS, NUM_WORKERS, STARTUP_TIMEOUT_S, RouterThread,
+                            WorkerProcess, free_port, wait_until)
+
+
+@pytest.fixture(scope="session")
+def workers(tiny_model_folder, tmp_path_factory):
+    """Three workers of the tiny model (block_size 4, 128 blocks), each with KV events on."""
+    folder = tmp_path_factory.mktemp("router-workers")
+    procs = []
+    for i in range(NUM_WORKERS):
+        config = {"model": str(tiny_model_folder), "device": "cpu",
+                  "engine": {"block_size": BLOCK_SIZE, "num_blocks": NUM_BLOCKS},
+                  "kv_events": {"enabled": True, "endpoint": f"tcp://127.0.0.1:{free_port()}",
+                                "replay_endpoint": f"tcp://127.0.0.1:{free_port()}"}}
+        path = folder / f"worker{i}.yaml"
+        path.write_text(yaml.safe_dump(config))
+        procs.append(WorkerProcess(path, free_port(), folder / f"worker{i}.log"))
+    try:
+        for proc in procs:
+            proc.start()
+        for proc in procs:
+            wait_until(proc.is_ready, STARTUP_TIMEOUT_S, f"worker {proc.url} to be healthy", 0.2)
+        yield procs
+    finally:
+        for proc in procs:
+            proc.stop()
+
+
+@pytest.fixture(scope="session")
+def tokenizer(tiny_model_folder):
+    from corekv.engine.models import load_tokenizer
+
+    return load_tokenizer(str(tiny_model_folder))
+
+
+@pytest.fixture
+def make_router(tokenizer):
+    """``make_router(urls, policy="cache_aware", use_events=False, **thresholds)`` -> a started
+    RouterThread (stopped after the test)."""
+    from corekv.router.app import build_app
+    from corekv.router.policy import CacheAwareConfig, make_policy
+    from corekv.router.workers import WorkerPool
+
+    started = []
+
+    def make(urls, policy="cache_aware", *, use_events=False, max_retries=2,
+             health_interval_s=0.2, **thresholds):
+        pool = WorkerPool(urls, block_size=BLOCK_SIZE, max_tree_blocks=4096,
+                          health_interval_s=health_interval_s, use_events=use_events)
+        app = build_app(pool, make_policy(policy, CacheAwareConfig(**thresholds)), tokenizer,
+                        max_retries=max_retries, request_timeout_s=120)
+        router = RouterThread(app, free_port()).__enter__()
+        started.append(router)
+        return router
+
+    yield make
+    for router in started:
+        router.__exit__(None, None, None)
