@@ -1,0 +1,98 @@
+"""``corekv route``: every flag checked with a one-line error and exit 2, and the real command
+(a subprocess) routing a request to a worker; plus the tokenizer-only loader it uses."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import httpx
+import pytest
+from router_helpers import free_port, wait_until
+
+from corekv.cli import main
+
+WORKERS = ["--workers", "http://127.0.0.1:8001", "http://127.0.0.1:8002"]
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--cache-threshold", "1.5"], "--cache-threshold: got 1.5; expected a number in [0, 1]"),
+    (["--cache-threshold", "half"], "--cache-threshold: got 'half'; expected a number in [0, 1]"),
+    (["--balance-abs-threshold", "-1"], "--balance-abs-threshold: got -1; expected an integer >= 0"),
+    (["--balance-rel-threshold", "0.5"], "--balance-rel-threshold: got 0.5; expected a number >= 1"),
+    (["--balance-rel-threshold", "inf"], "--balance-rel-threshold: got inf; expected a finite"),
+    (["--health-interval", "0"], "--health-interval: got 0.0; expected seconds > 0"),
+    (["--max-retries", "-1"], "--max-retries: got -1; expected an integer >= 0"),
+    (["--tree-blocks", "0"], "--tree-blocks: got 0; expected an integer >= 1"),
+    (["--request-timeout", "nan"], "--request-timeout: got nan; expected seconds > 0"),
+    (["--port", "70000"], "--port: got 70000; expected a port number 1-65535"),
+    (["--policy", "random"], "--policy: invalid choice: 'random'"),
+])
+def test_bad_flags_exit_2_naming_the_flag(args, message, capsys):
+    assert main(["route", *WORKERS, *args]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("corekv: error: ") and message in err and err.count("\n") == 1
+
+
+@pytest.mark.parametrize("workers, message", [
+    (["ftp://127.0.0.1:8001"], "--workers: got 'ftp://127.0.0.1:8001'; expected a worker's base URL"),
+    (["http://127.0.0.1"], "--workers: got 'http://127.0.0.1'; expected"),
+    (["http://127.0.0.1:8001/v1"], "without a path"),
+    (["http://127.0.0.1:8001", "http://127.0.0.1:8001/"], "more than once"),
+])
+def test_bad_worker_urls_exit_2(workers, message, capsys):
+    assert main(["route", "--workers", *workers]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_workers_are_required(capsys):
+    assert main(["route"]) == 2
+    assert "--workers" in capsys.readouterr().err
+
+
+def test_the_route_command_serves_requests(workers):
+    """The real entry point: ``python -m corekv.cli route`` as a user starts it (its config names
+    the workers' model, whose tokenizer it loads)."""
+    port = free_port()
+    env = dict(os.environ, COREKV_DISABLE_PLUGIN_AUTOLOAD="1")
+    router = subprocess.Popen(
+        [sys.executable, "-m", "corekv.cli", "route", "--config", str(workers[0].config_path),
+         "--workers", workers[0].url, workers[1].url, "--port", str(port),
+         "--health-interval", "0.5"], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        def healthy():
+            assert router.poll() is None, router.stdout.read().decode()
+            try:
+                return httpx.get(url + "/health", timeout=1).status_code == 200
+            except httpx.HTTPError:
+                return False
+
+        wait_until(healthy, 60, "corekv route to answer /health", 0.2)
+        response = httpx.post(url + "/v1/completions", json={"prompt": "Hello", "max_tokens": 2},
+                              timeout=60)
+        assert response.status_code == 200 and response.json()["usage"]["completion_tokens"] == 2
+        state = httpx.get(url + "/workers").json()
+        assert state["policy"] == "cache_aware"
+        assert sum(w["requests"] for w in state["workers"]) == 1
+    finally:
+        router.terminate()
+        router.wait(timeout=30)
+
+
+def test_load_tokenizer_encodes_like_the_engine(tiny_model_folder):
+    from corekv.engine.models import encode_prompt, load_model, load_tokenizer
+
+    loaded = load_model(str(tiny_model_folder), device="cpu")
+    tokenizer = load_tokenizer(str(tiny_model_folder))
+    chat = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
+    for prompt in ("plain text", chat):
+        assert encode_prompt(tokenizer, prompt) == loaded.encode_prompt(prompt)
+
+
+def test_load_tokenizer_names_a_missing_model(tmp_path):
+    from corekv.engine.models import load_tokenizer
+    from corekv.errors import CoreKVError
+
+    with pytest.raises(CoreKVError, match="neither a known alias"):
+        load_tokenizer(str(tmp_path / "nowhere"))
