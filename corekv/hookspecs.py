@@ -82,9 +82,14 @@ def corekv_on_engine_started(engine: Any) -> None:
 def corekv_on_blocks_stored(events: list[BlockEvent]) -> None:
     """Full blocks became hittable in the device cache.
 
-    :param events: ``BlockEvent(kind="stored", block_hashes=...)`` batches, in order.
+    :param events: ``BlockEvent(kind="stored", ...)``, in order. Each is one contiguous run of one
+        hash chain: ``block_hashes``, ``parent_block_hash`` (the block before the run; ``None``
+        at the chain's start), ``token_ids`` (the run's tokens) and ``block_size``. A request
+        whose blocks are partly cached already gives one event per run of new blocks.
 
     .. versionadded:: 0.1
+    .. versionchanged:: 0.1 ``parent_block_hash``, ``token_ids`` and ``block_size`` (for KV-event
+        publishers such as the ``kv_events`` plugin).
     """
 
 
@@ -92,9 +97,12 @@ def corekv_on_blocks_stored(events: list[BlockEvent]) -> None:
 def corekv_on_blocks_removed(events: list[BlockEvent]) -> None:
     """Cached blocks left the device cache (evicted or cleared).
 
-    :param events: ``BlockEvent(kind="removed", block_hashes=...)`` batches, in order.
+    :param events: ``BlockEvent(kind="removed", block_hashes=...)``, in order. An event with
+        ``is_cleared=True`` is a reset of the whole cache: its ``block_hashes`` are every block
+        that was cached (possibly none), and nothing cached before it remains.
 
     .. versionadded:: 0.1
+    .. versionchanged:: 0.1 ``is_cleared``.
     """
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pytest
 
+from corekv.backend import BlockEvent
 from corekv.config import CacheConfig, Config, EngineConfig, PinnedPrefix
 from corekv.errors import ConfigError
 from corekv.plugin import hookimpl
@@ -69,6 +70,26 @@ def test_blocks_stored_and_removed_events_carry_the_block_hashes(tiny_llama, bac
             engine.generate([100 + i] * 40, GREEDY)
         removed = recorder.hashes("removed")
         assert set(expected) <= set(removed) and set(removed) <= set(recorder.hashes("stored"))
+
+
+@pytest.mark.parametrize("backend", ["hash_blocks", "radix"])
+def test_stored_events_are_runs_of_the_chain_with_parent_and_tokens_and_a_reset_is_cleared(tiny_llama,
+                                                                                          backend):
+    recorder = Recorder()
+    with make_engine(tiny_llama, backend=backend, plugins=[recorder]) as engine:
+        first = list(range(3, 43))                     # 40 tokens: 2 full blocks
+        second = first[:32] + list(range(50, 70))      # shares those 2, then 1 more full block
+        engine.generate(first, GREEDY)
+        engine.generate(second, GREEDY)
+        engine.backend.reset()
+        engine.step()                                  # a step with nothing to run publishes it
+    h1, h2 = engine.prefix_key(first).block_hashes, engine.prefix_key(second).block_hashes
+    stored = [e for call in recorder.calls if call[0] == "stored" for e in call[1]]
+    assert stored == [BlockEvent("stored", tuple(h1[:2]), None, tuple(first[:32]), 16),
+                      BlockEvent("stored", (h2[2],), h2[1], tuple(second[32:48]), 16)]
+    removed = [e for call in recorder.calls if call[0] == "removed" for e in call[1]]
+    assert len(removed) == 1 and removed[0].is_cleared
+    assert sorted(removed[0].block_hashes) == sorted([*h1[:2], h2[2]])
 
 
 def test_request_finished_gets_each_output_once(tiny_llama):

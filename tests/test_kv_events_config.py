@@ -1,0 +1,60 @@
+"""The ``kv_events`` config section: defaults, validation with field paths, environment overrides."""
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from corekv.config import Config, KVEventsConfig, dump_config, load_config
+from corekv.errors import ConfigError
+
+
+def load(section, **env):
+    return load_config({"kv_events": section}, env=env)
+
+
+def test_defaults_match_vllm_and_are_off():
+    assert Config().kv_events == KVEventsConfig()
+    assert KVEventsConfig() == KVEventsConfig(enabled=False, endpoint="tcp://*:5557", replay_endpoint=None,
+                                              topic="", buffer_steps=10000, hwm=100000)
+
+
+def test_a_full_section_loads_and_round_trips_through_dump():
+    section = {"enabled": True, "endpoint": "tcp://127.0.0.1:5557", "replay_endpoint": "ipc:///tmp/kv",
+               "topic": "kv@a", "buffer_steps": 5, "hwm": 10}
+    cfg = load(section)
+    assert cfg.kv_events == KVEventsConfig(**section)
+    assert load_config(dump_config(cfg), env={}).kv_events == cfg.kv_events
+    assert "topic" not in dump_config(load({"enabled": True}))["kv_events"]   # "" is the default
+
+
+@pytest.mark.parametrize("section, message", [
+    ({"enabled": "yes"}, "kv_events.enabled: got 'yes'; expected true or false"),
+    ({"endpoint": "localhost:5557"}, "kv_events.endpoint: got 'localhost:5557'; expected a ZMQ "
+                                     "address such as tcp://*:5557"),
+    ({"replay_endpoint": "5558"}, "kv_events.replay_endpoint: got '5558'; expected a ZMQ address"),
+    ({"replay_endpoint": "tcp://*:5557"}, "kv_events.replay_endpoint: got 'tcp://*:5557', the same "
+                                          "address as kv_events.endpoint; expected another port"),
+    ({"buffer_steps": 0}, "kv_events.buffer_steps: got 0; expected an integer >= 1"),
+    ({"hwm": 2.5}, "kv_events.hwm: got 2.5; expected an integer >= 1"),
+    ({"topic": 7}, "kv_events.topic: got 7; expected a non-empty string; quote it in YAML"),
+    ({"endpiont": "tcp://*:1"}, "kv_events.endpiont: unknown key (value 'tcp://*:1'); did you mean "
+                                "'endpoint'?"),
+    ("on", "kv_events: got 'on'; expected a mapping with keys enabled, endpoint, replay_endpoint"),
+])
+def test_bad_values_name_the_field_the_value_and_what_is_expected(section, message):
+    with pytest.raises(ConfigError, match="^" + re.escape(message)) as info:
+        load(section)
+    assert info.value.path == message.split(":")[0]
+
+
+def test_port_zero_asks_for_free_ports_so_both_sockets_may_say_it():
+    cfg = load({"endpoint": "tcp://127.0.0.1:0", "replay_endpoint": "tcp://127.0.0.1:0"})
+    assert cfg.kv_events.replay_endpoint == "tcp://127.0.0.1:0"
+
+
+def test_environment_overrides_reach_the_section():
+    cfg = load_config({}, env={"COREKV_KV_EVENTS__ENABLED": "true", "COREKV_KV_EVENTS__HWM": "64"})
+    assert cfg.kv_events.enabled and cfg.kv_events.hwm == 64
+    with pytest.raises(ConfigError, match=r"kv_events.buffer_steps: got -1.*\(set by COREKV_KV_EVENTS__BUFFER_STEPS\)"):
+        load_config({}, env={"COREKV_KV_EVENTS__BUFFER_STEPS": "-1"})
