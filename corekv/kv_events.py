@@ -302,8 +302,6 @@ class KVEventSubscriber:
 
     # -- the thread --------------------------------------------------------------------------
     def _run(self) -> None:
-        import zmq
-
         try:
             if self.start_seq is not None and self._replay is not None:
                 self._fill_from_replay(self.start_seq)
@@ -315,8 +313,8 @@ class KVEventSubscriber:
                         self.topic and frames[0] != self.topic.encode()):
                     continue  # NOTE: another topic that shares our prefix, or not a KV event
                 self._receive(int.from_bytes(frames[1], "big"), frames[2])
-        except zmq.ZMQError as e:  # pragma: no cover - a socket fault; nothing to recover here
-            logger.warning("KV event subscriber for %s stopped: %s", self.endpoint, e)
+        except Exception:  # pragma: no cover - a socket fault or a bug: say so, stop receiving
+            logger.exception("KV event subscriber for %s stopped", self.endpoint)
         finally:
             self._ctx.destroy(linger=0)
 

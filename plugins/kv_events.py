@@ -39,10 +39,11 @@ class KVEventPublisher:
     """One engine's KV event publisher: a PUB socket, an optional replay ROUTER, one thread.
 
     Invariants: batches get sequence numbers 0, 1, 2, ... in the order the hooks handed their
-    events over, and every number is sent once on the PUB socket; the hooks (the engine's step)
-    never block and never touch a socket: they put the events on a queue of at most ``hwm``
-    batches, and a full queue drops the batch (counted in ``num_dropped``, so its number is never
-    used and subscribers see no gap); only the publisher thread touches the sockets; the replay
+    events over, and each number is sent at most once on the PUB socket; a batch that is lost
+    (dropped at a full queue: ``num_dropped``; or unencodable: ``num_errors``) still takes its
+    number, which is never sent, so subscribers see the gap (and a replay cannot fill it); the
+    hooks (the engine's step) never block and never touch a socket: they only put the events on
+    a queue of at most ``hwm`` batches; only the publisher thread touches the sockets; the replay
     buffer holds the last ``buffer_steps`` sent batches, oldest first.
     """
 
@@ -58,14 +59,15 @@ class KVEventPublisher:
                               "them with pip install 'corekv[events]' or set kv_events.enabled: "
                               "false", path="kv_events.enabled") from e
         self.config, self.block_size = config, block_size
-        self.num_batches = self.num_dropped = self.num_replay_requests = 0
+        #: batches sent; dropped at a full queue; lost to a malformed event; replays served
+        self.num_batches = self.num_dropped = self.num_errors = self.num_replay_requests = 0
         self._topic = config.topic.encode()
         self._queue: queue.Queue = queue.Queue(maxsize=config.hwm)
         self._buffer: deque[tuple[int, bytes]] = deque(maxlen=config.buffer_steps)
         self._ctx = zmq.Context()
         try:
-            self._pub = self._open(zmq.PUB, config.endpoint, "kv_events.endpoint")
-            self._pub.setsockopt(zmq.SNDHWM, config.hwm)
+            self._pub = self._open(zmq.PUB, config.endpoint, "kv_events.endpoint",
+                                   send_hwm=config.hwm)
             self._replay = None
             if config.replay_endpoint is not None:
                 self._replay = self._open(zmq.ROUTER, config.replay_endpoint,
@@ -78,6 +80,7 @@ class KVEventPublisher:
         self.replay_endpoint = (self._replay.getsockopt_string(zmq.LAST_ENDPOINT)
                                 if self._replay is not None else None)
         self._is_closed = self._is_aborted = False
+        self._num_drops_unannounced = 0   # written by the engine's thread only
         self._thread = threading.Thread(target=self._run, name="corekv-kv-events-pub", daemon=True)
         self._thread.start()
         logger.info("KV events on %s (replay: %s, topic %r)", self.endpoint, self.replay_endpoint,
@@ -97,9 +100,11 @@ class KVEventPublisher:
         if self._is_closed or not events:
             return
         try:
-            self._queue.put_nowait((time.time(), events))
+            self._queue.put_nowait((time.time(), events, self._num_drops_unannounced))
+            self._num_drops_unannounced = 0
         except queue.Full:
             self.num_dropped += 1
+            self._num_drops_unannounced += 1
             if self.num_dropped == 1:
                 logger.warning("KV event queue full (kv_events.hwm=%d): batches are dropped and "
                                "counted", self.config.hwm)
@@ -131,10 +136,20 @@ class KVEventPublisher:
                     continue
                 if item is None or self._is_aborted:
                     break
-                batch = self._to_batch(*item)
+                ts, events, num_dropped_before = item
+                seq += num_dropped_before   # NOTE: skipped numbers tell subscribers what was lost
+                try:
+                    batch = self._to_batch(ts, events)
+                    payload = encode_batch(batch)
+                except (TypeError, ValueError) as e:
+                    # NOTE: a backend's malformed event costs its batch (and a number), not the
+                    # publisher.
+                    self.num_errors += 1
+                    seq += 1
+                    logger.warning("KV event batch dropped: %s", e)
+                    continue
                 if not batch.events:
                     continue
-                payload = encode_batch(batch)
                 self._pub.send_multipart((self._topic, seq.to_bytes(8, "big"), payload))
                 self._buffer.append((seq, payload))
                 seq += 1
@@ -169,17 +184,20 @@ class KVEventPublisher:
             if e.kind == "stored" and e.block_hashes:
                 wire.append(BlockStored(e.block_hashes, e.parent_block_hash, e.token_ids,
                                         e.block_size or self.block_size))
-            elif e.kind == "removed" and getattr(e, "is_cleared", False):
+            elif e.kind == "removed" and e.is_cleared:
                 wire.append(AllBlocksCleared())
             elif e.kind == "removed" and e.block_hashes:
                 wire.append(BlockRemoved(e.block_hashes))
         return KVEventBatch(ts, wire)
 
-    def _open(self, kind: int, endpoint: str, field: str, bind: bool | None = None):
+    def _open(self, kind: int, endpoint: str, field: str, bind: bool | None = None,
+              send_hwm: int | None = None):
         import zmq
 
         socket = self._ctx.socket(kind)
         socket.setsockopt(zmq.LINGER, 0)
+        if send_hwm is not None:
+            socket.setsockopt(zmq.SNDHWM, send_hwm)   # NOTE: before bind: it applies per pipe
         scheme, _, rest = endpoint.partition("://")
         host = rest.rpartition(":")[0]
         if bind is None:

@@ -332,16 +332,34 @@ def test_the_topic_is_the_first_frame(tiny):
     assert messages and {topic for topic, *_ in messages} == {b"kv@engine-1"}
 
 
-def test_a_full_queue_drops_and_counts_batches_instead_of_blocking():
+def test_a_full_queue_drops_batches_without_blocking_and_their_numbers_show_the_gap():
     config = load_config({"kv_events": {"enabled": True, "endpoint": "tcp://127.0.0.1:0",
-                                        "hwm": 1}}, env={}).kv_events
+                                        "replay_endpoint": "tcp://127.0.0.1:0", "hwm": 1}},
+                         env={}).kv_events
     publisher = KVEventPublisher(config, block_size=BS)
-    event = BlockEvent("removed", (b"\x01" * 16,))
-    for _ in range(2000):
-        publisher.publish([event])
+    num_published = 0
+    for i in range(2000):
+        publisher.publish([BlockEvent("removed", (i.to_bytes(16, "big"),))])
+        num_published += 1
+    marker = BlockEvent("removed", (b"\xff" * 16,))
+    while True:   # the last batch must get through: it announces the drops before it
+        num_dropped = publisher.num_dropped
+        publisher.publish([marker])
+        num_published += 1
+        if publisher.num_dropped == num_dropped:
+            break
+        threading.Event().wait(0.01)
+    frames = []
+    for _ in range(200):   # replay what has been sent so far, until the marker is among it
+        frames += replay(publisher.replay_endpoint, frames[-1][0] + 1 if frames else 0)
+        if frames and msgpack.unpackb(frames[-1][1])[1] == [["BlockRemoved", [b"\xff" * 16], None]]:
+            break
+        threading.Event().wait(0.05)
     publisher.close()
-    assert publisher.num_batches + publisher.num_dropped == 2000
-    assert publisher.num_batches >= 1
+    seqs = [seq for seq, _ in frames]
+    assert publisher.num_dropped > 0 and publisher.num_batches == len(seqs)
+    assert publisher.num_batches + publisher.num_dropped == num_published
+    assert seqs == sorted(set(seqs)) and seqs[-1] + 1 == num_published   # each drop left a hole
 
 
 def test_a_taken_endpoint_is_a_config_error_naming_the_field(tiny):
