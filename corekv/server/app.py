@@ -18,6 +18,7 @@ client sent, 5xx only for faults of the server.
 """
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 from collections.abc import AsyncIterator
@@ -34,6 +35,8 @@ from corekv.server.protocol import (APIError, GenerateRequest, error_body, parse
 from corekv.server.responses import ResponseWriter, SSE_DONE, sse
 
 __all__ = ["build_app", "as_api_error", "kv_events_info"]
+
+DISCONNECT_POLL_S = 0.25  # how often a non-streamed request checks that its client is still there
 
 
 def build_app(engine: Any, *, served_model_name: str | None = None,
@@ -76,11 +79,12 @@ def build_app(engine: Any, *, served_model_name: str | None = None,
 
     @app.post("/v1/completions")
     async def completions(request: Request):
-        return await _generate(runner, model_id, parse_completion(await _json(request)), "completion")
+        req = parse_completion(await _json(request))
+        return await _generate(runner, model_id, req, "completion", request)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
-        return await _generate(runner, model_id, parse_chat(await _json(request)), "chat")
+        return await _generate(runner, model_id, parse_chat(await _json(request)), "chat", request)
 
     @app.get("/v1/models")
     async def models():
@@ -124,18 +128,30 @@ def build_app(engine: Any, *, served_model_name: str | None = None,
     @app.get("/admin/info")
     async def info():
         return {"model": model_id, "block_size": engine.block_size,
-                "kv_events": kv_events_info(engine.config)}
+                "kv_events": kv_events_info(engine)}
 
     return app
 
 
-def kv_events_info(config: Any) -> dict[str, Any] | None:
-    """Where the engine publishes KV events, from ``config.kv_events``; None when off or absent."""
-    section = getattr(config, "kv_events", None)
+def kv_events_info(engine: Any) -> dict[str, Any] | None:
+    """Where ``engine`` publishes KV events (its config's ``kv_events``); None when off or absent.
+
+    The endpoints are the ones the publisher actually bound (a port 0 in the config becomes the
+    port chosen; ``tcp://*:P`` reads ``tcp://0.0.0.0:P``), else the config's.
+    """
+    section = getattr(engine.config, "kv_events", None)
     if section is None or not getattr(section, "enabled", False):
         return None
-    return {"endpoint": section.endpoint, "replay_endpoint": getattr(section, "replay_endpoint", None),
-            "topic": getattr(section, "topic", "")}
+    endpoint, replay = section.endpoint, getattr(section, "replay_endpoint", None)
+    try:
+        from corekv.plugins.kv_events import publisher_for
+
+        publisher = publisher_for(engine)
+    except ImportError:
+        publisher = None
+    if publisher is not None:
+        endpoint, replay = publisher.endpoint, publisher.replay_endpoint
+    return {"endpoint": endpoint, "replay_endpoint": replay, "topic": getattr(section, "topic", "")}
 
 
 def as_api_error(error: BaseException) -> APIError:
@@ -172,7 +188,8 @@ async def _call(runner: AsyncEngine, fn) -> Any:
         raise as_api_error(e) from e
 
 
-async def _generate(runner: AsyncEngine, model_id: str, req: GenerateRequest, kind: str):
+async def _generate(runner: AsyncEngine, model_id: str, req: GenerateRequest, kind: str,
+                    http_request: Request):
     if req.model is not None and req.model != model_id:
         raise APIError(f"the model {req.model!r} does not exist; this server serves {model_id!r} "
                        "(see GET /v1/models)", status=404, param="model", code="model_not_found")
@@ -182,8 +199,15 @@ async def _generate(runner: AsyncEngine, model_id: str, req: GenerateRequest, ki
         raise as_api_error(e) from e
     writer = ResponseWriter(kind, model_id, req.params.n)
     if not req.stream:
+        result = asyncio.ensure_future(handle.result())
+        # NOTE: nothing is sent until the end, so only polling notices a client that gave up;
+        # cancelling the wait aborts the request in the engine.
+        while not (await asyncio.wait({result}, timeout=DISCONNECT_POLL_S))[0]:
+            if await http_request.is_disconnected():
+                result.cancel()
+                return Response(status_code=499)
         try:
-            output = await handle.result()
+            output = result.result()
         except Exception as e:
             raise as_api_error(e) from e
         return writer.full(output)

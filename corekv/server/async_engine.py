@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from corekv.engine.outputs import RequestOutput
+from corekv.errors import CoreKVError
 from corekv.engine.sampling import SamplingParams
 from corekv.engine.streaming import TextStream
 
@@ -86,7 +87,7 @@ class _Active:
     events: asyncio.Queue
 
     def push(self, event: Any) -> None:
-        self.loop.call_soon_threadsafe(self.events.put_nowait, event)
+        _push(self.loop, self.events.put_nowait, event)
 
 
 class AsyncEngine:
@@ -128,7 +129,7 @@ class AsyncEngine:
         events: asyncio.Queue = asyncio.Queue()
         request_id = f"srv-{next(self._ids)}"
         admitted = loop.create_future()
-        self._put(("add", request_id, prompt, params, cache_salt, loop, events, admitted))
+        self._put(("add", request_id, prompt, params, cache_salt, events, loop, admitted))
         try:
             await admitted
         except asyncio.CancelledError:  # NOTE: the client left while the request was queued
@@ -172,6 +173,9 @@ class AsyncEngine:
         self._inbox.put(item)
 
     # -- the engine thread ---------------------------------------------------------------------
+    # NOTE: inbox items: ("add", request_id, prompt, params, salt, events, loop, admitted),
+    # ("abort", request_id), ("call", fn, loop, done), ("stop",); those answered through a future
+    # end with (loop, future), so a shutdown can answer them alike.
     def _run(self) -> None:
         engine = self.engine
         failures = 0
@@ -206,15 +210,15 @@ class AsyncEngine:
     def _handle(self, item: tuple) -> None:
         kind = item[0]
         if kind == "add":
-            _, request_id, prompt, params, salt, loop, events, admitted = item
+            _, request_id, prompt, params, salt, events, loop, admitted = item
             try:
                 self.engine.add_request(prompt, params, salt, request_id=request_id)
                 active = _Active(self.engine.text_stream(request_id), loop, events)
             except Exception as e:
-                loop.call_soon_threadsafe(_settle, admitted, None, e)
+                _push(loop, _settle, admitted, None, e)
                 return
             self._active[request_id] = active
-            loop.call_soon_threadsafe(_settle, admitted, None, None)
+            _push(loop, _settle, admitted, None, None)
         elif kind == "abort":
             if self._active.pop(item[1], None) is not None:
                 try:
@@ -228,8 +232,11 @@ class AsyncEngine:
             except Exception as e:
                 result, error = None, e
             # NOTE: engine.warm() steps the engine itself; outputs of other requests that finished
-            # meanwhile wait in the engine and come out of the next step().
-            loop.call_soon_threadsafe(_settle, done, result, error)
+            # meanwhile wait in the engine and come out of the next step(). A fault other than a
+            # rejected argument may have lost some of them: fail those rather than let them hang.
+            if error is not None and not isinstance(error, (ValueError, TypeError, CoreKVError)):
+                self._fail_all(error, dead=False)
+            _push(loop, _settle, done, result, error)
 
     def _publish(self, outputs: list[RequestOutput]) -> None:
         finished = {o.request_id: o for o in outputs}
@@ -266,13 +273,21 @@ class AsyncEngine:
                 item = self._inbox.get_nowait()
             except queue.Empty:
                 break
-            if item[0] in ("add", "call"):
-                item[-2].call_soon_threadsafe(_settle, item[-1], None, stopped)
+            if item[0] in ("add", "call"):  # NOTE: both end with (..., loop, future)
+                _push(item[-2], _settle, item[-1], None, stopped)
         if self.close_engine:
             try:
                 self.engine.close()
             except Exception:
                 logger.exception("engine.close() failed; pending tier writes may be lost")
+
+
+def _push(loop: asyncio.AbstractEventLoop, fn: Callable, *args: Any) -> None:
+    """Run ``fn(*args)`` on ``loop``; nothing when the loop is gone (its server has stopped)."""
+    try:
+        loop.call_soon_threadsafe(fn, *args)
+    except RuntimeError:  # NOTE: "Event loop is closed": no one is left to tell
+        logger.debug("dropped an event for a closed event loop")
 
 
 def _settle(future: asyncio.Future, result: Any, error: BaseException | None) -> None:

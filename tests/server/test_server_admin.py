@@ -2,13 +2,12 @@
 the router and operators rely on."""
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 import httpx
 import pytest
-from server_helpers import MODEL_ID
+from server_helpers import MODEL_ID, tiny_config
 
-from corekv.server.app import kv_events_info
+from corekv.engine.llm_engine import Engine
+from corekv.server import BackgroundServer, build_app
 
 SYSTEM = "You are the assistant of a cache framework; answer in one line, politely. " * 2
 
@@ -75,13 +74,19 @@ def test_info_names_the_model_block_size_and_no_kv_events(server, engine):
                                                  "kv_events": None}
 
 
-def test_kv_events_info_reports_an_enabled_section_only():
-    """The ``kv_events`` config section is another module's; these stand-ins carry its fields."""
-    section = SimpleNamespace(enabled=True, endpoint="tcp://*:5557", replay_endpoint=None, topic="kv")
-    assert kv_events_info(SimpleNamespace(kv_events=section)) == {
-        "endpoint": "tcp://*:5557", "replay_endpoint": None, "topic": "kv"}
-    assert kv_events_info(SimpleNamespace(kv_events=SimpleNamespace(enabled=False))) is None
-    assert kv_events_info(SimpleNamespace()) is None
+def test_info_reports_the_kv_event_sockets_the_publisher_bound(tiny_model_folder):
+    pytest.importorskip("zmq")
+    config = tiny_config(tiny_model_folder)
+    config["kv_events"] = {"enabled": True, "endpoint": "tcp://127.0.0.1:0",
+                           "replay_endpoint": "tcp://127.0.0.1:0", "topic": "kv"}
+    with Engine.from_config(config) as engine, \
+            BackgroundServer(build_app(engine, served_model_name=MODEL_ID)) as server:
+        info = get(server, "/admin/info").json()["kv_events"]
+    assert info["topic"] == "kv"
+    for key in ("endpoint", "replay_endpoint"):
+        host, _, port = info[key].rpartition(":")
+        assert host == "tcp://127.0.0.1" and int(port) > 0, info  # NOTE: port 0 became a real one
+    assert info["endpoint"] != info["replay_endpoint"]
 
 
 def test_health_is_ok_while_the_engine_thread_runs(server):

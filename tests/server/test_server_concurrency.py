@@ -6,6 +6,7 @@ import asyncio
 import threading
 
 import httpx
+import pytest
 from server_helpers import MODEL_ID, wait_until
 
 NUM_STREAMS = 4
@@ -76,8 +77,11 @@ def test_greedy_text_does_not_depend_on_what_shares_the_batch(server, client):
     assert dict(results)[prompt] == alone
 
 
+MANY_TOKENS = 3000  # NOTE: far more than can finish before a disconnect reaches the engine
+
+
 def test_a_client_that_disconnects_mid_stream_aborts_its_request(server, recorder):
-    max_tokens = 3000  # NOTE: far more than can finish before the disconnect reaches the engine
+    max_tokens = MANY_TOKENS
     prompt = "a very long answer that nobody will read"
     body = {"model": MODEL_ID, "prompt": prompt, "max_tokens": max_tokens, "stream": True,
             "temperature": 0.0, "ignore_eos": True}
@@ -95,3 +99,15 @@ def test_a_client_that_disconnects_mid_stream_aborts_its_request(server, recorde
     assert len(output.token_ids) < max_tokens
     stats = httpx.get(server.url + "/admin/stats", timeout=30).json()
     assert stats["num_running"] == 0 and stats["num_waiting"] == 0
+
+
+def test_a_client_that_gives_up_on_a_whole_response_aborts_its_request(server, recorder):
+    prompt = "a whole answer nobody waits for"
+    body = {"model": MODEL_ID, "prompt": prompt, "max_tokens": MANY_TOKENS, "temperature": 0.0,
+            "ignore_eos": True}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(server.url + "/v1/completions", json=body, timeout=httpx.Timeout(30, read=0.3))
+    (output,) = wait_until(lambda: [o for o in recorder.outputs if o.prompt == prompt],
+                           what="the abandoned request to finish")
+    assert output.finish_reason == "abort"
+    assert len(output.token_ids) < MANY_TOKENS
