@@ -98,9 +98,12 @@ class Scheduler:
                 budget -= num_tokens
         # NOTE: a parent still prefilling will become 1 + num_pending_forks running sequences.
         num_seqs = len(self.running) + sum(s.num_pending_forks for s in self.running)
+        in_flight = self._in_flight_blocks()
         for seq in self._admission_order():  # then new (or preempted) sequences
             if budget == 0 or num_seqs + 1 + seq.num_pending_forks > self.max_num_seqs:
                 break
+            if in_flight and self._waits_for_in_flight(seq, in_flight):
+                continue
             if not self.enable_chunked_prefill and (batch or self.running):
                 # NOTE: unchunked, a prompt runs whole: in a step with room for it, or alone.
                 if seq.num_tokens - len(self.blocks.match(seq)) * self.blocks.block_size > budget:
@@ -114,6 +117,8 @@ class Scheduler:
                 num_tokens = min(num_tokens, budget)
             batch.append(ScheduledSeq(seq, seq.num_computed_tokens, num_tokens))
             budget -= min(num_tokens, budget)
+            if self.blocks.enable_prefix_caching:
+                in_flight.update(self._uncomputed_prompt_blocks(seq))
         if not batch and self.waiting and not self.running:
             # NOTE: nothing runs, so every unpinned block is free: the head can never fit (e.g.
             # pins grew after it was added). Abort it rather than spin forever.
@@ -175,6 +180,32 @@ class Scheduler:
         # NOTE: preempted sequences keep the front (they were running); then longest cached
         # prefix first; sorted() is stable, so ties stay first come, first served.
         return sorted(self.waiting, key=lambda s: (s.num_preemptions == 0, -len(self.blocks.match(s))))
+
+    def _in_flight_blocks(self) -> set:
+        """Hashes of the full prompt blocks that running prefills have yet to compute."""
+        if not self.blocks.enable_prefix_caching:
+            return set()
+        return {h for seq in self.running if seq.num_uncomputed_tokens > 1
+                for h in self._uncomputed_prompt_blocks(seq)}
+
+    def _uncomputed_prompt_blocks(self, seq: Sequence) -> list:
+        bs = self.blocks.block_size
+        return seq.key.block_hashes[seq.num_computed_tokens // bs:seq.num_prompt_tokens // bs]
+
+    def _waits_for_in_flight(self, seq: Sequence, in_flight: set) -> bool:
+        """Whether ``seq``'s first uncached block is one a running prefill is computing.
+
+        NOTE: admitted now, ``seq`` would compute its own copy of those blocks (they are not
+        cached yet) and its block table would share nothing with the producer's, so decode
+        attention could not share them either (cascade, see corekv.engine.attention). Held
+        back, it matches them once the producer caches them. No deadlock or starvation: the
+        producer is running, so it keeps computing (or is preempted, and then nothing is in
+        flight), and a later request with the same prefix is held back behind the same producer.
+        """
+        num_hit = len(self.blocks.match(seq))
+        if num_hit >= (seq.num_tokens - 1) // self.blocks.block_size:
+            return False  # nothing more it could match
+        return seq.key.block_hashes[num_hit] in in_flight
 
     def _admit(self, seq: Sequence) -> None:
         self.waiting.remove(seq)

@@ -206,3 +206,71 @@ def test_pending_forks_count_against_max_num_seqs():
         step(scheduler)
         assert len(scheduler.running) + parent.num_pending_forks <= 4
     assert len(scheduler.running) == 4 and [s.request_id for s in scheduler.waiting] == ["b"]
+
+
+@pytest.mark.parametrize("backend", ["hash_blocks", "radix"])
+def test_a_prompt_sharing_an_in_flight_prefix_waits_a_step_and_then_reuses_it(backend):
+    # "a" and "b" share 3 full blocks; the budget fits both, but "b" admitted now would compute its
+    # own copy of them. "c" shares nothing and is admitted past the held-back "b".
+    scheduler = make_scheduler(backend=backend, budget=64)
+    shared = prompt(0, 12)
+    a, b = make_seq(shared + prompt(100, 6), "a"), make_seq(shared + prompt(200, 6), "b")
+    c = make_seq(prompt(300, 6), "c")
+    for seq in (a, b, c):
+        scheduler.add(seq)
+    batch, _ = step(scheduler)
+    assert [(i.seq.request_id, i.num_tokens) for i in batch] == [("a", 18), ("c", 6)]
+    batch, _ = step(scheduler)
+    assert [(i.seq.request_id, i.start_pos, i.num_tokens) for i in batch] == [
+        ("a", 18, 1), ("c", 6, 1), ("b", 12, 6)]
+    assert b.block_table[:3] == a.block_table[:3] and b.num_cached_tokens == 12
+    assert scheduler.num_computed_tokens == 18 + 6 + 2 + 6
+
+
+def test_a_chunked_producer_holds_back_its_followers_until_its_blocks_are_cached():
+    # "a"'s 8 full prompt blocks take three 12-token chunks; each follower waits for "a"'s blocks
+    # and none is starved: all finish, and none recomputes the shared prefix.
+    scheduler = make_scheduler(budget=12)
+    shared = prompt(0, 32)
+    seqs = [make_seq(shared + prompt(100 * (i + 1), 3), f"s{i}", max_tokens=2) for i in range(4)]
+    for seq in seqs:
+        scheduler.add(seq)
+    admitted_while_a_prefills = []
+    while seqs[0].num_computed_tokens < seqs[0].num_prompt_tokens:
+        batch, _ = step(scheduler)
+        admitted_while_a_prefills += [i.seq.request_id for i in batch if i.seq is not seqs[0]]
+    assert admitted_while_a_prefills == []
+    while scheduler.has_unfinished:
+        step(scheduler)
+    assert all(s.num_output_tokens == 2 for s in seqs)
+    assert [s.num_cached_tokens for s in seqs] == [0, 32, 32, 32]
+
+
+def test_a_held_back_prompt_survives_its_producer_being_preempted():
+    # 7 blocks: a growing decode ("d") preempts the producer "a" mid-prefill; "b" (a's 4-block
+    # prefix + 2 tokens) waits behind "a" and neither deadlocks nor starves: every request
+    # finishes within a bounded number of steps and "b" still reuses a's prefix.
+    scheduler = make_scheduler(num_blocks=7, budget=4)
+    d = make_seq(prompt(500, 4), "d", max_tokens=20)
+    scheduler.add(d)
+    step(scheduler)
+    a = make_seq(prompt(0, 17), "a", max_tokens=3)
+    b = make_seq(prompt(0, 16) + [5, 6], "b", max_tokens=3)
+    scheduler.add(a)
+    scheduler.add(b)
+    for _ in range(100):
+        if not scheduler.has_unfinished:
+            break
+        step(scheduler)
+    assert scheduler.num_preemptions == 1 and a.num_preemptions == 1
+    assert (d.num_output_tokens, a.num_output_tokens, b.num_output_tokens) == (20, 3, 3)
+    assert b.num_cached_tokens == 16
+
+
+def test_without_prefix_caching_nothing_is_held_back():
+    scheduler = make_scheduler(budget=64, caching=False)
+    a, b = make_seq(prompt(0, 12) + [1], "a"), make_seq(prompt(0, 12) + [2], "b")
+    scheduler.add(a)
+    scheduler.add(b)
+    batch, _ = step(scheduler)
+    assert [i.seq.request_id for i in batch] == ["a", "b"]
