@@ -42,6 +42,8 @@ from corekv.prefetch import Prefetch, Prefetcher, StagedRun
 from corekv.tier import Tier
 
 logger = logging.getLogger(__name__)
+#: blocks per tier call of a prefetch job: between calls it checks for admission's handoff
+_CHUNK = 8
 
 
 @dataclass(frozen=True)
@@ -163,7 +165,12 @@ class CacheManager:
 
         :returns: ``{tier name: blocks loaded}`` for the leading blocks that loaded.
         """
-        staged = self.prefetcher.take(prefetch) if prefetch is not None else None
+        staged = None
+        if prefetch is not None:
+            def handoff(index: int) -> int | None:
+                return block_ids[index - start] if start <= index < stop else None
+
+            staged = self.prefetcher.take(prefetch, handoff)
         loaded: dict[str, int] = {}
         pos, num_used = start, 0
         try:
@@ -327,47 +334,61 @@ class CacheManager:
             out[i] = rows[block_id]
         return torch.from_numpy(out)
 
-    def _stage(self, key: PrefixKey, start: int, stop: int, max_blocks: int):
-        """The prefetch job (on the prefetch thread): look up ``start .. stop - 1`` down the tiers
-        and copy at most ``max_blocks`` leading hits, validated, into one staging buffer."""
-        runs = self.lookup(key, start, stop)
+    def _stage(self, prefetch: Prefetch, max_blocks: int, reserve) -> None:
+        """The prefetch job (on the prefetch thread): look up the prefetch's blocks down the
+        tiers and fetch at most ``max_blocks`` leading hits, validated, ``_CHUNK`` blocks per
+        tier call: into staging rows, or, once admission handed over its pool blocks (CPU pool),
+        straight into them."""
+        key, start = prefetch.key, prefetch.start
+        runs = self.lookup(key, start, prefetch.stop)
         total = min(sum(run.num_blocks for run in runs), max_blocks)
         if total == 0:
-            return [], None
-        # NOTE: pinned staging makes the host-to-device copy at admission asynchronous.
-        is_pinned = self.kv_pool.storage.device.type == "cuda"
-        staging = torch.empty((total, self.kv_pool.bytes_per_block), dtype=torch.uint8, pin_memory=is_pinned)
-        rows = staging.numpy()
-        staged: list[StagedRun] = []
+            return
+        pool = self.kv_pool
+        is_cpu = pool.storage.device.type == "cpu"
+        reserve(total)
+        # NOTE: pinned staging makes the host-to-device copy at admission asynchronous; on a CPU
+        # pool the rows' pages are touched only if they are used (empty() does not fault them in).
+        prefetch.staging = torch.empty((total, pool.bytes_per_block), dtype=torch.uint8, pin_memory=not is_cpu)
+        staging_rows, pool_rows = prefetch.staging.numpy(), _pool_rows(pool) if is_cpu else None
         hashes, offset = key.block_hashes, 0
         for run in runs:
-            num = min(run.num_blocks, total - offset)
-            if num <= 0:
-                break
-            tier = self.tiers[run.tier_index]
-            keys = hashes[start + offset:start + offset + num]
-            flags = _safe(lambda: tier.get_into(keys, list(rows[offset:offset + num])), [False] * num, tier, "get_into")
-            num_ok = next((i for i, ok in enumerate(flags) if not ok), num)
-            if num_ok:
-                staged.append(StagedRun(run.tier_index, num_ok))
-            offset += num_ok
-            if num_ok < num:
-                break
-        return staged, staging[:offset] if offset else None
+            tier, end = self.tiers[run.tier_index], min(offset + run.num_blocks, total)
+            while offset < end:
+                num = min(_CHUNK, end - offset)
+                handoff = prefetch.destination() if is_cpu else None
+                ids = [handoff(start + i) for i in range(offset, offset + num)] if handoff else None
+                is_direct = ids is not None and None not in ids
+                out = [pool_rows[b] for b in ids] if is_direct else list(staging_rows[offset:offset + num])
+                keys = hashes[start + offset:start + offset + num]
+                flags = _safe(lambda: tier.get_into(keys, out), [False] * num, tier, "get_into")
+                num_ok = next((i for i, ok in enumerate(flags) if not ok), num)
+                if num_ok:
+                    with prefetch.lock:
+                        prefetch.add(run.tier_index, num_ok, is_direct)
+                offset += num_ok
+                if num_ok < num:
+                    return
+            if offset == total:
+                return
 
     def _load_staged(self, key: PrefixKey, staged: Prefetch, pos: int, stop: int,
                      block_ids: Sequence[int], loaded: dict[str, int]) -> int:
-        """Copy ``staged``'s rows for blocks ``pos ..`` (up to ``stop``) into ``block_ids`` in one
-        batch; count, announce and promote them per tier run. Returns the number of blocks."""
+        """Put ``staged``'s blocks ``pos ..`` (up to ``stop``) into ``block_ids``: staging rows in
+        one batched copy per run, direct ones are there already; count, announce and promote
+        them per tier run. Returns the number of blocks."""
         first = pos - staged.start
         last = min(stop, staged.start + staged.num_staged) - staged.start
-        self.kv_pool.write_blocks(list(block_ids[:last - first]), staged.staging[first:last])
         row = 0
         for run in staged.runs:
             lo, hi = max(row, first), min(row + run.num_blocks, last)
             row += run.num_blocks
             if lo >= hi:
                 continue
+            ids = list(block_ids[lo - first:hi - first])
+            rows = staged.staging[lo:hi]
+            if not run.is_direct:
+                self.kv_pool.write_blocks(ids, rows)
             tier = self.tiers[run.tier_index]
             keys = key.block_hashes[staged.start + lo:staged.start + hi]
             num = hi - lo
@@ -377,9 +398,11 @@ class CacheManager:
             self.hit_counts.update(keys)
             if self.hooks is not None:
                 self.hooks.corekv_on_blocks_loaded(tier=tier.name, block_hashes=list(keys))
-            if run.tier_index > 0:  # promote from the staging rows: no copy out of the pool
-                rows = staged.staging[lo:hi]
-                self._writer.submit(keys, lambda: rows, self.tiers[:run.tier_index])
+            if run.tier_index > 0:  # promote; staged rows are a CPU copy already
+                if run.is_direct:
+                    self._enqueue(keys, ids, tiers=self.tiers[:run.tier_index])
+                else:
+                    self._writer.submit(keys, lambda: rows, self.tiers[:run.tier_index])
         return last - first
 
     def _load_into(self, tier: Tier, keys: list[BlockHash], block_ids: list[int]) -> list[bool]:

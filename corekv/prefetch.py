@@ -6,7 +6,10 @@ checksum checked, as on every load) into one staging buffer. At admission the ca
 takes the staged rows (:meth:`Prefetcher.take`) and copies them into the allocated pool blocks
 in one batched copy, so the tier I/O of request B runs while the engine's step for the others
 does. A job that has not started by admission is cancelled and the manager loads synchronously
-instead; a job that is running is waited for: a block is never fetched twice.
+instead; a job that is running is waited for: a block is never fetched twice. While it waits,
+admission hands the job its pool blocks (``handoff``): on a CPU pool the job's remaining reads
+then go straight into them, so a request admitted right after it arrived pays one copy per
+block, not two (staging, then pool).
 
 NOTE: staged bytes are keyed by chained block hashes, which name a block's whole prefix, so they
 stay right whatever happens to the device cache or the tiers meanwhile: the manager only
@@ -33,18 +36,21 @@ __all__ = ["Prefetch", "Prefetcher", "StagedRun"]
 
 @dataclass(frozen=True)
 class StagedRun:
-    """``num_blocks`` consecutive staged rows that came from tier ``tier_index``."""
+    """``num_blocks`` consecutive fetched blocks that came from tier ``tier_index``: in the
+    staging rows, or (``is_direct``) already in the pool blocks admission handed over."""
 
     tier_index: int
     num_blocks: int
+    is_direct: bool = False
 
 
 @dataclass(eq=False)
 class Prefetch:
     """One request's prefetch of blocks ``start .. stop - 1`` of ``key``.
 
-    After the job ran, ``staging[i]`` holds the validated bytes of block ``start + i`` for
-    ``i < num_staged``, and ``runs`` says which tier each row came from, in order.
+    After the job ran, blocks ``start .. start + num_staged - 1`` were fetched and validated;
+    ``runs`` says, in order, which tier each came from and whether it is in ``staging[i]`` (for
+    block ``start + i``) or already in the pool block ``handoff(start + i)`` named.
     """
 
     key: PrefixKey
@@ -53,24 +59,45 @@ class Prefetch:
     future: Future | None = None
     runs: list[StagedRun] = field(default_factory=list)
     staging: torch.Tensor | None = None
+    #: set by admission: block index -> the pool block it goes to (None: not wanted there)
+    handoff: Callable[[int], int | None] | None = None
     is_released: bool = False
+    lock: threading.Lock = field(default_factory=threading.Lock)
 
     @property
     def num_staged(self) -> int:
+        """Blocks fetched (into staging or, after the handoff, straight into the pool)."""
         return sum(run.num_blocks for run in self.runs)
 
+    @property
+    def num_staging_rows(self) -> int:
+        return 0 if self.staging is None else self.staging.shape[0]
 
-#: ``stage(key, start, stop, max_blocks) -> (runs, staging)``: the manager's fetch into staging
-StageFn = Callable[[PrefixKey, int, int, int], tuple[list[StagedRun], "torch.Tensor | None"]]
+    def add(self, tier_index: int, num_blocks: int, is_direct: bool) -> None:
+        """The job fetched ``num_blocks`` more blocks (merged into the last run when alike)."""
+        last = self.runs[-1] if self.runs else None
+        if last is not None and (last.tier_index, last.is_direct) == (tier_index, is_direct):
+            self.runs[-1] = StagedRun(tier_index, last.num_blocks + num_blocks, is_direct)
+        else:
+            self.runs.append(StagedRun(tier_index, num_blocks, is_direct))
+
+    def destination(self) -> Callable[[int], int | None] | None:
+        with self.lock:
+            return self.handoff
+
+
+#: ``stage(prefetch, max_blocks, reserve)``: the manager's fetch; it calls ``reserve(rows)`` once,
+#: before allocating ``prefetch.staging``, and fills ``prefetch.runs`` with ``prefetch.add``
+StageFn = Callable[[Prefetch, int, Callable[[int], None]], None]
 
 
 class Prefetcher:
     """Runs prefetch jobs on one background thread, within a bound on staged blocks.
 
-    Invariants: at most ``max_blocks`` blocks are staged at once (the job stages only what
+    Invariants: at most ``max_blocks`` staging rows exist at once (the job fetches only what
     fits; the rest is loaded synchronously at admission); every :class:`Prefetch` is released
     exactly once, by :meth:`release` after :meth:`take`, or by :meth:`drop`; a job cancelled
-    before it ran never touched a tier.
+    before it ran never touched a tier; once :meth:`take` returns, the job has ended.
     """
 
     def __init__(self, stage: StageFn, *, max_blocks: int):
@@ -82,7 +109,8 @@ class Prefetcher:
         self.num_staged_blocks = 0
         #: started, ready (done by admission), waited, fallbacks (cancelled: loaded
         #: synchronously), dropped (aborted before admission), skipped (no staging room),
-        #: staged_blocks, used_blocks, dropped_blocks; wait_s (seconds admission waited)
+        #: staged_blocks (fetched into staging), direct_blocks (fetched straight into the pool
+        #: after the handoff), used_blocks, dropped_blocks; wait_s (seconds admission waited)
         self.counters: Counter = Counter()
         self._lock = threading.Lock()
         self._executor: ThreadPoolExecutor | None = ThreadPoolExecutor(1, thread_name_prefix="corekv-prefetch")
@@ -96,15 +124,21 @@ class Prefetcher:
         self.counters["started"] += 1
         return prefetch
 
-    def take(self, prefetch: Prefetch) -> Prefetch | None:
+    def take(self, prefetch: Prefetch, handoff: Callable[[int], int | None] | None = None) -> Prefetch | None:
         """At admission: the finished prefetch (waiting for a running job), or None when the job
         had not started (it is cancelled; the caller loads synchronously and must not call
-        :meth:`release`)."""
+        :meth:`release`).
+
+        :param handoff: block index -> the pool block admission allocated for it (None: not
+            wanted); a running job writes its remaining blocks straight there.
+        """
         future = prefetch.future
         if future.cancel():
             self.counters["fallbacks"] += 1
             prefetch.is_released = True
             return None
+        with prefetch.lock:
+            prefetch.handoff = handoff
         if future.done():
             self.counters["ready"] += 1
         else:
@@ -120,10 +154,9 @@ class Prefetcher:
             if prefetch.is_released:
                 return
             prefetch.is_released = True
-            staged = prefetch.num_staged
-            self.num_staged_blocks -= staged
+            self.num_staged_blocks -= prefetch.num_staging_rows
             self.counters["used_blocks"] += num_used
-            self.counters["dropped_blocks"] += staged - num_used
+            self.counters["dropped_blocks"] += prefetch.num_staged - num_used
         prefetch.staging = None
 
     def drop(self, prefetch: Prefetch) -> None:
@@ -138,7 +171,7 @@ class Prefetcher:
     def stats(self) -> dict[str, float]:
         out = {name: self.counters[name] for name in (
             "started", "ready", "waited", "fallbacks", "dropped", "skipped", "staged_blocks",
-            "used_blocks", "dropped_blocks")}
+            "direct_blocks", "used_blocks", "dropped_blocks")}
         out["wait_s"] = round(self.counters["wait_s"], 6)
         out["num_staged_blocks"] = self.num_staged_blocks
         return out
@@ -156,13 +189,16 @@ class Prefetcher:
             if room <= 0:
                 self.counters["skipped"] += 1
                 return
+
+        def reserve(num_rows: int) -> None:
+            # NOTE: one worker thread, so the room read above can only have grown meanwhile.
+            with self._lock:
+                self.num_staged_blocks += num_rows
+
         try:
-            runs, staging = self._stage(prefetch.key, prefetch.start, prefetch.stop, room)
-        except Exception:  # pragma: no cover - a bug; admission then loads synchronously
+            self._stage(prefetch, room, reserve)
+        except Exception:  # pragma: no cover - a bug; admission then loads what is missing
             logger.exception("corekv prefetch: unexpected error; the request loads at admission")
-            return
-        # NOTE: one worker thread, so the room read above can only have grown meanwhile.
         with self._lock:
-            prefetch.runs, prefetch.staging = runs, staging
-            self.num_staged_blocks += prefetch.num_staged
-            self.counters["staged_blocks"] += prefetch.num_staged
+            for run in prefetch.runs:
+                self.counters["direct_blocks" if run.is_direct else "staged_blocks"] += run.num_blocks

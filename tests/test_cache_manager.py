@@ -313,25 +313,30 @@ def test_dropping_a_prefetch_releases_its_staging_and_counts_it():
     assert stats["dropped_blocks"] == stats["staged_blocks"]
 
 
-def test_a_prefetch_not_started_by_admission_is_cancelled_and_loaded_synchronously():
-    """The prefetch thread is held at a gate (a wrapper around the real staging function), so
-    the second job is still queued at its admission."""
+def test_a_queued_prefetch_is_cancelled_and_a_running_one_gets_the_pool_blocks():
+    """The prefetch thread is held at a gate (a wrapper around the real staging function) until
+    admission of the first request has handed over its pool blocks, so the second job is still
+    queued at its own admission: it is cancelled and loaded synchronously, and the first job
+    writes straight into the pool blocks (no staging copy)."""
     import threading
+    import time
 
     from corekv.prefetch import Prefetcher
 
     pool = make_pool(16)
     host = HostTier(size=8 * 4096, **tier_kwargs(pool))
     key_a, key_b = make_key(2, salt="a"), make_key(2, salt="b")
-    offloaded(pool, key_a, host)
+    original_a = offloaded(pool, key_a, host)
     original_b = offloaded(pool, key_b, host)
     manager = CacheManager([host], pool)
-    gate, entered = threading.Event(), threading.Event()
+    entered = threading.Event()
 
-    def gated_stage(*args):
+    def gated_stage(prefetch, *args):
         entered.set()
-        gate.wait(timeout=30)
-        return manager._stage(*args)
+        deadline = time.monotonic() + 30
+        while prefetch.destination() is None and time.monotonic() < deadline:
+            time.sleep(0.001)
+        return manager._stage(prefetch, *args)
 
     manager.prefetcher.close()
     manager.prefetcher = Prefetcher(gated_stage, max_blocks=8)
@@ -340,10 +345,11 @@ def test_a_prefetch_not_started_by_admission_is_cancelled_and_loaded_synchronous
     second = manager.prefetch(key_b, 0, 2)  # queued behind the held job
     assert manager.load_prefix(key_b, 0, 2, [10, 11], second) == {"host": 2}
     assert torch.equal(pool.read_blocks([10, 11]), original_b)
-    threading.Timer(0.05, gate.set).start()
     assert manager.load_prefix(key_a, 0, 2, [12, 13], first) == {"host": 2}
+    assert torch.equal(pool.read_blocks([12, 13]), original_a)
     stats = manager.prefetch_stats()
-    assert stats["fallbacks"] == 1 and stats["waited"] == 1 and stats["staged_blocks"] == 2
+    assert stats["fallbacks"] == 1 and stats["waited"] == 1
+    assert stats["direct_blocks"] == 2 and stats["staged_blocks"] == 0
     assert stats["used_blocks"] == 2 and stats["num_staged_blocks"] == 0
     manager.close()
 

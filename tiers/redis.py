@@ -14,6 +14,7 @@ from corekv.plugin import Option, TierSpec, hookimpl
 from corekv.tier import BlockHash, Tier
 
 logger = logging.getLogger(__name__)
+_SOCKET_READ_SIZE = 1 << 20
 
 
 class RedisTier(Tier):
@@ -53,9 +54,12 @@ class RedisTier(Tier):
         try:
             # NOTE: redis-py's own retries would repeat a dead server's timeout inside every
             # call; the cool-down below replaces them.
+            # NOTE: a block is ~0.7 MB; with hiredis a 1 MiB socket read size halves the recv
+            # calls of a batch and doubles get bandwidth on loopback (no effect without it).
             self._client = redis.Redis.from_url(url, socket_timeout=socket_timeout or None,
                                                 socket_connect_timeout=socket_timeout or None,
-                                                retry=Retry(NoBackoff(), 0))
+                                                retry=Retry(NoBackoff(), 0),
+                                                socket_read_size=_SOCKET_READ_SIZE)
         except ValueError as e:
             raise ValueError(f"url {url!r} is not a Redis URL ({e}); expected "
                              "redis://[:password@]host:port/db or rediss://... for TLS") from e
