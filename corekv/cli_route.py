@@ -70,7 +70,7 @@ def cmd_route(args: argparse.Namespace) -> int:
     from corekv.plugin import make_plugin_manager
     from corekv.router.app import build_app
     from corekv.router.policy import CacheAwareConfig, make_policy
-    from corekv.router.workers import WorkerPool
+    from corekv.router.health import WorkerPool
 
     urls = [_worker_url(url) for url in args.workers]
     duplicates = sorted({u for u in urls if urls.count(u) > 1})

@@ -26,7 +26,8 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from corekv.router.policy import CacheAwarePolicy, RoundRobinPolicy
-from corekv.router.workers import Worker, WorkerPool
+from corekv.router.health import WorkerPool
+from corekv.router.workers import Worker
 
 logger = logging.getLogger(__name__)
 
@@ -199,7 +200,7 @@ def prompt_token_ids(tokenizer: Any, payload: Any, *, chat: bool) -> tuple[list[
     ``([], salt)`` when the body is not a valid request: the router then routes by load alone and
     the worker answers with the error."""
     from corekv.engine.models import encode_prompt
-    from corekv.server.protocol import APIError, parse_messages
+    from corekv.server.protocol import parse_messages
 
     if not isinstance(payload, dict):
         return [], None
@@ -212,6 +213,6 @@ def prompt_token_ids(tokenizer: Any, payload: Any, *, chat: bool) -> tuple[list[
         elif isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
             prompt = prompt[0]  # a one-prompt batch, as the server reads it
         return encode_prompt(tokenizer, prompt), salt
-    except (APIError, Exception) as e:  # NOTE: any tokenizer failure: the worker will say why
+    except Exception as e:  # NOTE: a bad body or any tokenizer failure: the worker says why
         logger.debug("prompt not tokenized (%s); routing by load", e)
         return [], salt

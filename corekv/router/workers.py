@@ -1,10 +1,9 @@
 """The router's view of its workers: health, in-flight load, and what each one has cached.
 
 A worker's cache is known from its KV events when ``GET /admin/info`` announces a publisher
-(``kv_events``), else guessed from the prompts routed to it. Health checks poll ``GET /health``;
-a worker that fails one (or a proxied request) leaves the rotation, and its cache view is dropped
-(a worker that comes back has usually restarted with an empty cache); it rejoins on its next
-successful check, with ``/admin/info`` read again and its events subscribed again.
+(``kv_events``), else guessed from the prompts routed to it. A worker that fails (a health check,
+see :mod:`corekv.router.health`, or a forwarded request) leaves the rotation and its cache view is
+dropped: a worker that comes back has usually restarted with an empty cache.
 """
 from __future__ import annotations
 
@@ -43,6 +42,7 @@ class Worker:
         self.subscriber: Any = None
         self.pending: dict[int, tuple[Hashable, Sequence[int]]] = {}
         self.num_requests = self.num_failures = self.num_event_batches = 0
+        self._last_event_seq: int | None = None
         self._ids = itertools.count()
 
     @property
@@ -82,7 +82,7 @@ class Worker:
             logger.warning("worker %s is down (%s)", self.url, reason)
         self.is_healthy = False
         self.routed_tree.clear()
-        self._stop_events()
+        self.stop_events()
 
     def set_info(self, info: dict[str, Any] | None) -> None:
         """Take the worker's ``/admin/info`` (its block size sizes the cache view)."""
@@ -101,6 +101,11 @@ class Worker:
         tree = self.events_tree
         if tree is None:
             return  # NOTE: a batch queued before the subscriber was closed
+        if self._last_event_seq is not None and seq <= self._last_event_seq:
+            # NOTE: the publisher restarted (its count began again) between two health checks:
+            # its cache is new, and the events from now on describe all of it.
+            tree.clear()
+        self._last_event_seq = seq
         self.num_event_batches += 1
         for event in batch.events:
             if isinstance(event, BlockStored) and event.medium in DEVICE_MEDIA:
@@ -123,10 +128,6 @@ class Worker:
                 "tree_blocks": self.num_tree_blocks, "events_connected": self.subscriber is not None,
                 "events": events, "model": (self.info or {}).get("model")}
 
-    # -- helpers --------------------------------------------------------------------------------
-    def _tree(self) -> BlockTree:
-        return self.events_tree if self.events_tree is not None else self.routed_tree
-
     def start_events(self, loop: asyncio.AbstractEventLoop) -> None:
         """Subscribe to the KV events ``self.info`` announces (if any); failures leave the
         routed-prompt view in place."""
@@ -143,17 +144,21 @@ class Worker:
                 topic=spec.get("topic") or "",
                 on_batch=lambda seq, batch: loop.call_soon_threadsafe(self.apply_batch, seq, batch),
                 start_seq=0 if replay else None)
-            self.events_tree = BlockTree(self.block_size)
+            self.events_tree, self._last_event_seq = BlockTree(self.block_size), None
             self.subscriber = subscriber.start()
         except Exception as e:  # NOTE: events are an optimisation: route on routed prompts instead
             logger.warning("worker %s: cannot subscribe to its KV events %s (%s); routing on the "
                            "prompts sent to it instead", self.url, spec, e)
             self.events_tree = self.subscriber = None
 
-    def _stop_events(self) -> None:
+    def stop_events(self) -> None:
         subscriber, self.subscriber, self.events_tree = self.subscriber, None, None
         if subscriber is not None:
             subscriber.close(timeout_s=0.5)
+
+    # -- helpers --------------------------------------------------------------------------------
+    def _tree(self) -> BlockTree:
+        return self.events_tree if self.events_tree is not None else self.routed_tree
 
     def _reachable(self, endpoint: str) -> str:
         """A publisher bound to every interface (``tcp://*:5557``) is reached at the worker's host."""
@@ -174,88 +179,3 @@ def _common_blocks(a: Sequence[int], b: Sequence[int], block_size: int) -> int:
         else:
             high = mid - 1
     return low * block_size
-
-
-class WorkerPool:
-    """The workers, in ``--workers`` order, and the task that checks their health.
-
-    Invariant: ``workers[i].index == i``; only the event loop's thread changes a worker's state.
-    """
-
-    def __init__(self, urls: Sequence[str], *, block_size: int, max_tree_blocks: int,
-                 health_interval_s: float, use_events: bool = True):
-        self.workers = [Worker(i, url, block_size=block_size, max_tree_blocks=max_tree_blocks)
-                        for i, url in enumerate(urls)]
-        self.health_interval_s = health_interval_s
-        self.use_events = use_events
-        self._client: Any = None
-        self._task: asyncio.Task | None = None
-
-    def healthy_workers(self) -> list[Worker]:
-        return [w for w in self.workers if w.is_healthy]
-
-    async def start(self) -> None:
-        """Check every worker once (so the first requests find the healthy ones), then keep
-        checking every ``health_interval_s`` in the background."""
-        import httpx
-
-        timeout = min(max(self.health_interval_s, 1.0), 10.0)
-        self._client = httpx.AsyncClient(timeout=timeout)
-        await self.check_all()
-        self._task = asyncio.create_task(self._check_forever())
-
-    async def close(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            try:
-                await self._task
-            except asyncio.CancelledError:
-                pass
-        for worker in self.workers:
-            worker._stop_events()
-        if self._client is not None:
-            await self._client.aclose()
-
-    async def check_all(self) -> None:
-        await asyncio.gather(*(self.check(w) for w in self.workers))
-
-    async def check(self, worker: Worker) -> bool:
-        """Poll ``GET /health``; a worker that recovers rejoins with its info re-read."""
-        import httpx
-
-        try:
-            response = await self._client.get(worker.url + "/health")
-            reason = None if response.status_code == 200 else f"/health answered {response.status_code}"
-        except httpx.HTTPError as e:
-            reason = f"/health failed: {type(e).__name__}: {e}"
-        if reason is not None:
-            if worker.is_healthy:
-                worker.mark_down(reason)
-            return False
-        if not worker.is_healthy:
-            worker.set_info(await self._read_info(worker))
-            if self.use_events:
-                worker.start_events(asyncio.get_running_loop())
-            worker.is_healthy = True
-            logger.warning("worker %s is up (cache view: %s)", worker.url,
-                           "events" if worker.events_tree is not None else "routed prompts")
-        return True
-
-    async def _read_info(self, worker: Worker) -> dict[str, Any] | None:
-        import httpx
-
-        try:
-            response = await self._client.get(worker.url + "/admin/info")
-            info = response.json() if response.status_code == 200 else None
-        except (httpx.HTTPError, ValueError) as e:
-            logger.warning("worker %s: GET /admin/info failed (%s)", worker.url, e)
-            return None
-        return info if isinstance(info, dict) else None
-
-    async def _check_forever(self) -> None:
-        while True:
-            await asyncio.sleep(self.health_interval_s)
-            try:
-                await self.check_all()
-            except Exception:  # NOTE: a bug in one round must not end health checking for good
-                logger.exception("health check round failed")

@@ -46,7 +46,7 @@ def make_router(tokenizer):
     RouterThread (stopped after the test)."""
     from corekv.router.app import build_app
     from corekv.router.policy import CacheAwareConfig, make_policy
-    from corekv.router.workers import WorkerPool
+    from corekv.router.health import WorkerPool
 
     started = []
 

@@ -1,0 +1,100 @@
+"""Health checks of the router's workers: :class:`WorkerPool` polls each worker's ``GET /health``.
+
+A worker that fails a check leaves the rotation (and its cache view is dropped); one that passes
+again rejoins with its ``GET /admin/info`` read again and its KV events subscribed again.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Sequence
+from typing import Any
+
+from corekv.router.workers import Worker
+
+logger = logging.getLogger(__name__)
+
+
+class WorkerPool:
+    """The workers, in ``--workers`` order, and the task that checks their health.
+
+    Invariant: ``workers[i].index == i``; only the event loop's thread changes a worker's state.
+    """
+
+    def __init__(self, urls: Sequence[str], *, block_size: int, max_tree_blocks: int,
+                 health_interval_s: float, use_events: bool = True):
+        self.workers = [Worker(i, url, block_size=block_size, max_tree_blocks=max_tree_blocks)
+                        for i, url in enumerate(urls)]
+        self.health_interval_s = health_interval_s
+        self.use_events = use_events
+        self._client: Any = None
+        self._task: asyncio.Task | None = None
+
+    def healthy_workers(self) -> list[Worker]:
+        return [w for w in self.workers if w.is_healthy]
+
+    async def start(self) -> None:
+        """Check every worker once (so the first requests find the healthy ones), then keep
+        checking every ``health_interval_s`` in the background."""
+        import httpx
+
+        timeout = min(max(self.health_interval_s, 1.0), 10.0)
+        self._client = httpx.AsyncClient(timeout=timeout)
+        await self.check_all()
+        self._task = asyncio.create_task(self._check_forever())
+
+    async def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            try:
+                await self._task
+            except asyncio.CancelledError:
+                pass
+        for worker in self.workers:
+            worker.stop_events()
+        if self._client is not None:
+            await self._client.aclose()
+
+    async def check_all(self) -> None:
+        await asyncio.gather(*(self.check(w) for w in self.workers))
+
+    async def check(self, worker: Worker) -> bool:
+        """Poll ``GET /health``; a worker that recovers rejoins with its info re-read."""
+        import httpx
+
+        try:
+            response = await self._client.get(worker.url + "/health")
+            reason = None if response.status_code == 200 else f"/health answered {response.status_code}"
+        except httpx.HTTPError as e:
+            reason = f"/health failed: {type(e).__name__}: {e}"
+        if reason is not None:
+            if worker.is_healthy:
+                worker.mark_down(reason)
+            return False
+        if not worker.is_healthy:
+            worker.set_info(await self._read_info(worker))
+            if self.use_events:
+                worker.start_events(asyncio.get_running_loop())
+            worker.is_healthy = True
+            logger.warning("worker %s is up (cache view: %s)", worker.url,
+                           "events" if worker.events_tree is not None else "routed prompts")
+        return True
+
+    async def _read_info(self, worker: Worker) -> dict[str, Any] | None:
+        import httpx
+
+        try:
+            response = await self._client.get(worker.url + "/admin/info")
+            info = response.json() if response.status_code == 200 else None
+        except (httpx.HTTPError, ValueError) as e:
+            logger.warning("worker %s: GET /admin/info failed (%s)", worker.url, e)
+            return None
+        return info if isinstance(info, dict) else None
+
+    async def _check_forever(self) -> None:
+        while True:
+            await asyncio.sleep(self.health_interval_s)
+            try:
+                await self.check_all()
+            except Exception:  # NOTE: a bug in one round must not end health checking for good
+                logger.exception("health check round failed")
