@@ -6,13 +6,17 @@ median of ``--repeats`` runs after one untimed warm-up put; every put run uses f
 in most tiers and would flatter them). ``get`` includes header and checksum validation and the
 copy into a preallocated pool buffer; ``get_into`` validates and copies straight from the tier's
 storage into that buffer (what a reload costs before the host-to-device copy). memcpy rows show
-the copy alone, in the get_into column.
+the copy alone, in the get_into column. The "breakdown" rows split a host reload into its parts,
+on the same bytes: the xxh3-64 checksum alone, a per-block numpy copy alone, a per-block copy
+through a memoryview (what ``Tier.get_into`` did before), and the staging-to-pool copy a
+prefetched reload makes at admission (one ``index_copy_`` of all rows into a pool tensor).
 
     python benchmarks/tier_bandwidth.py [--blocks 32] [--batch 8] [--repeats 5] [--markdown]
 """
 from __future__ import annotations
 
 import argparse
+import os
 import shutil
 import socket
 import statistics
@@ -48,8 +52,44 @@ def memcpy_rates(num_bytes: int, repeats: int) -> dict[str, float]:
     src = np.random.default_rng(0).integers(0, 256, num_bytes, dtype=np.uint8)
     dst = np.empty_like(src)
     src_t, dst_t = torch.from_numpy(src), torch.from_numpy(dst)
+    np.copyto(dst, src)  # NOTE: first touch of dst's pages is not part of a copy's steady state
     return {"memcpy (numpy copyto)": num_bytes / median_seconds(lambda _: np.copyto(dst, src), repeats),
             "memcpy (torch copy_)": num_bytes / median_seconds(lambda _: dst_t.copy_(src_t), repeats)}
+
+
+def breakdown_rates(num_blocks: int, repeats: int) -> dict[str, float]:
+    """Bytes/s of each part of a host reload of ``num_blocks`` blocks (see the module docstring)."""
+    import xxhash
+
+    rng = np.random.default_rng(2)
+    src = rng.integers(0, 256, (num_blocks, BLOCK_BYTES), dtype=np.uint8)
+    dst = np.empty_like(src)
+    pool = torch.empty((num_blocks + 4, *SHAPE), dtype=torch.float32)
+    index = torch.arange(2, 2 + num_blocks)
+    staged = torch.from_numpy(src).view(torch.float32).view(num_blocks, *SHAPE)
+    src_views = [memoryview(row) for row in src]
+    dst_views = [memoryview(row) for row in dst]
+
+    def checksum(_):
+        for row in src:
+            xxhash.xxh3_64_intdigest(row)
+
+    def copy_numpy(_):
+        for i in range(num_blocks):
+            np.copyto(dst[i], src[i])
+
+    def copy_memoryview(_):
+        for i in range(num_blocks):
+            dst_views[i][:] = src_views[i]
+
+    total = num_blocks * BLOCK_BYTES
+    for part in (copy_numpy, lambda _: pool.index_copy_(0, index, staged)):
+        part(None)  # first touch
+    return {"breakdown: xxh3-64 checksum": total / median_seconds(checksum, repeats),
+            "breakdown: numpy copy per block": total / median_seconds(copy_numpy, repeats),
+            "breakdown: memoryview copy per block": total / median_seconds(copy_memoryview, repeats),
+            "breakdown: staging -> pool index_copy_": total / median_seconds(
+                lambda _: pool.index_copy_(0, index, staged), repeats)}
 
 
 def measure(tier, args) -> tuple[float, float, float]:
@@ -117,6 +157,7 @@ def main(argv=None) -> None:
     total = args.blocks * BLOCK_BYTES
     kw = {"block_bytes": BLOCK_BYTES, "fingerprint": FINGERPRINT, "dtype": "float32", "shape": SHAPE}
     rows = [(name, None, None, rate) for name, rate in memcpy_rates(total, args.repeats).items()]
+    rows += [(name, None, None, rate) for name, rate in breakdown_rates(args.blocks, args.repeats).items()]
     workdir = tempfile.mkdtemp(prefix="corekv-bench-")
     redis_proc, redis_url = start_redis(workdir)
     entry = BLOCK_BYTES + 72
@@ -139,9 +180,14 @@ def main(argv=None) -> None:
         if redis_proc is not None:
             redis_proc.kill()
         shutil.rmtree(workdir, ignore_errors=True)
-    memcpy = max(rate for name, put, get, rate in rows if put is None)
+    memcpy = max(rate for name, put, get, rate in rows if name.startswith("memcpy"))
+    try:
+        from redis.utils import HIREDIS_AVAILABLE
+    except ImportError:
+        HIREDIS_AVAILABLE = False
     print(f"{args.blocks} blocks x {BLOCK_BYTES} bytes per run, batches of {args.batch}, "
-          f"median of {args.repeats}; torch {torch.__version__}, Python {sys.version.split()[0]}")
+          f"median of {args.repeats}; torch {torch.__version__}, Python {sys.version.split()[0]}, "
+          f"hiredis {'yes' if HIREDIS_AVAILABLE else 'no'}; load average {os.getloadavg()}")
     text = lambda rate: f"{rate / 1e9:.2f}" if rate is not None else "-"
     if args.markdown:
         print("\n| path | put GB/s | get GB/s | get_into GB/s | get_into / memcpy |\n|---|---:|---:|---:|---:|")

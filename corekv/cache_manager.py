@@ -32,12 +32,12 @@ from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 
 from corekv.backend import EvictedBlock
 from corekv.hashing import BlockHash, PrefixKey
 from corekv.offload_writer import OffloadWriter, safe_tier_call as _safe
+from corekv.pool_io import load_into_pool, pool_rows as _pool_rows, snapshot_blocks
 from corekv.prefetch import Prefetch, Prefetcher, StagedRun
 from corekv.tier import Tier
 
@@ -322,17 +322,7 @@ class CacheManager:
         self._writer.submit(hashes, lambda: self._snapshot(block_ids), tiers)
 
     def _snapshot(self, block_ids: Sequence[int]) -> torch.Tensor:
-        """A CPU copy of blocks ``block_ids``: uint8 ``[len(block_ids), bytes_per_block]``."""
-        pool = self.kv_pool
-        if pool.storage.device.type != "cpu":
-            return pool.read_blocks(list(block_ids)).to("cpu").view(torch.uint8).reshape(len(block_ids), -1)
-        # NOTE: a row-by-row numpy copy: a gather with index_select runs at a tenth of memcpy
-        # on this CPU for rows this wide (BENCHMARKS.md, tier sections).
-        rows = _pool_rows(pool)
-        out = np.empty((len(block_ids), pool.bytes_per_block), dtype=np.uint8)
-        for i, block_id in enumerate(block_ids):
-            out[i] = rows[block_id]
-        return torch.from_numpy(out)
+        return snapshot_blocks(self.kv_pool, block_ids)
 
     def _stage(self, prefetch: Prefetch, max_blocks: int, reserve) -> None:
         """The prefetch job (on the prefetch thread): look up the prefetch's blocks down the
@@ -406,21 +396,5 @@ class CacheManager:
         return last - first
 
     def _load_into(self, tier: Tier, keys: list[BlockHash], block_ids: list[int]) -> list[bool]:
-        pool = self.kv_pool
-        if pool.storage.device.type == "cpu":
-            # NOTE: the pool is block-major, so each block is one contiguous run of bytes: the
-            # tier copies straight into it, with no staging buffer.
-            rows = _pool_rows(pool)
-            return _safe(lambda: tier.get_into(keys, [rows[b] for b in block_ids]), [False] * len(keys),
-                         tier, "get_into")
-        staging = torch.empty((len(keys), pool.bytes_per_block), dtype=torch.uint8, pin_memory=True)
-        flags = _safe(lambda: tier.get_into(keys, list(staging.numpy())), [False] * len(keys), tier, "get_into")
-        num_ok = next((i for i, ok in enumerate(flags) if not ok), len(flags))
-        if num_ok:
-            pool.write_blocks(block_ids[:num_ok], staging[:num_ok])
-        return flags
-
-
-def _pool_rows(pool) -> np.ndarray:
-    """The CPU pool's storage as uint8 rows, one per block (a view: writes land in the pool)."""
-    return pool.storage.view(pool.num_blocks, -1).view(torch.uint8).numpy()
+        return _safe(lambda: load_into_pool(self.kv_pool, tier, keys, block_ids), [False] * len(keys),
+                     tier, "get_into")

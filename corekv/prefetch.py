@@ -63,6 +63,8 @@ class Prefetch:
     handoff: Callable[[int], int | None] | None = None
     is_released: bool = False
     lock: threading.Lock = field(default_factory=threading.Lock)
+    #: ``time.perf_counter()`` when the request arrived and the job was queued
+    started_at: float = field(default_factory=time.perf_counter)
 
     @property
     def num_staged(self) -> int:
