@@ -6,8 +6,9 @@ an SSE stream is relayed as it comes. ``GET /v1/models`` goes to any healthy wor
 is 200 while any worker is healthy; ``GET /workers`` shows each worker's state.
 
 Retries: a request whose worker cannot be reached, drops the connection, or answers 502/503/504
-*before the router sent the client a byte* goes to another worker (``max_retries`` times); so a
-worker that dies loses no request that has not started streaming. Other answers (a worker's 4xx
+*before the router sent the client a byte* goes to another worker (``max_retries`` times). A
+non-streamed answer is read whole first, a stream up to its first token; so a worker that dies
+loses no request whose stream has not yet reached the client. Other answers (a worker's 4xx
 included) are passed through unchanged.
 """
 from __future__ import annotations
@@ -128,9 +129,9 @@ class _Router:
                            if k.lower() not in _DROPPED_HEADERS}
             chunks = upstream.aiter_bytes()
             try:
-                # NOTE: read the first bytes (a whole body when not streaming) before answering:
+                # NOTE: read the whole body, or a stream up to its first token, before answering:
                 # until the client has a byte, a dead worker can still be replaced.
-                first = (await upstream.aread()) if not stream else await anext(chunks, b"")
+                first = (await upstream.aread()) if not stream else await _opening(chunks)
             except httpx.HTTPError as e:
                 await upstream.aclose()
                 self._failed(worker, ticket, failures, e)
@@ -170,6 +171,28 @@ class _Router:
             status = 503
         return JSONResponse({"error": {"message": message, "type": "router_error", "param": None,
                                        "code": status}}, status_code=status)
+
+
+async def _opening(chunks: AsyncIterator[bytes]) -> bytes:
+    """A stream's bytes up to and including its first event that is more than an opening (chat's
+    role announcement, sent before the prompt is even computed), or all of it if shorter."""
+    buffer = b""
+    async for chunk in chunks:
+        buffer += chunk
+        *events, _ = buffer.replace(b"\r\n", b"\n").split(b"\n\n")
+        if any(not _is_opening_event(event) for event in events):
+            break
+    return buffer
+
+
+def _is_opening_event(event: bytes) -> bool:
+    data = b"".join(line[5:].strip() for line in event.split(b"\n") if line.startswith(b"data:"))
+    try:
+        choices = json.loads(data)["choices"]
+        return bool(choices) and all(c["delta"].get("content") == "" and c.get("finish_reason") is None
+                                     and set(c["delta"]) <= {"role", "content"} for c in choices)
+    except (ValueError, KeyError, TypeError, AttributeError):
+        return False
 
 
 async def _relay(first: bytes, chunks: AsyncIterator[bytes], upstream: httpx.Response,

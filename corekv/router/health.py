@@ -51,7 +51,7 @@ class WorkerPool:
             except asyncio.CancelledError:
                 pass
         for worker in self.workers:
-            worker.stop_events()
+            worker.stop_events(wait=True)
         if self._client is not None:
             await self._client.aclose()
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import threading
 from collections.abc import Hashable, Sequence
 from typing import Any
 from urllib.parse import urlsplit
@@ -151,10 +152,17 @@ class Worker:
                            "prompts sent to it instead", self.url, spec, e)
             self.events_tree = self.subscriber = None
 
-    def stop_events(self) -> None:
+    def stop_events(self, *, wait: bool = False) -> None:
+        """Unsubscribe; the view falls back to routed prompts (``wait``: until the thread ended)."""
         subscriber, self.subscriber, self.events_tree = self.subscriber, None, None
-        if subscriber is not None:
-            subscriber.close(timeout_s=0.5)
+        if subscriber is None:
+            return
+        if wait:
+            subscriber.close()
+        else:
+            # NOTE: close() joins the receiving thread (up to a poll interval): not on the loop
+            threading.Thread(target=subscriber.close, name="corekv-route-unsubscribe",
+                             daemon=True).start()
 
     # -- helpers --------------------------------------------------------------------------------
     def _tree(self) -> BlockTree:
