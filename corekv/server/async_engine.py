@@ -10,6 +10,7 @@ text and its finish into that request's asyncio queue with ``loop.call_soon_thre
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import queue
 import threading
@@ -265,9 +266,21 @@ class AsyncEngine:
     def _finish(self) -> None:
         self._is_stopping = True
         stopped = EngineUnavailableError("the server shut down before this request finished")
-        for active in self._active.values():
+        for request_id, active in self._active.items():
             active.push(stopped)
+            with contextlib.suppress(Exception):
+                self.engine.abort(request_id)
         self._active.clear()
+        # NOTE: aborted requests leave the engine in its next step (firing the finished hooks);
+        # without it they would stay in a shared engine that outlives this thread.
+        for _ in range(3):
+            if not self.engine.has_unfinished_requests:
+                break
+            try:
+                self.engine.step()
+            except Exception:
+                logger.exception("retiring aborted requests at shutdown failed")
+                break
         while True:  # answer whatever raced the stop
             try:
                 item = self._inbox.get_nowait()

@@ -1,5 +1,6 @@
 """Concurrent requests share engine steps (continuous batching through the one engine thread), and
-a client that goes away mid-stream aborts its request in the engine."""
+a client that goes away (mid-stream, or while waiting for a whole answer) aborts its request in the
+engine, as does a shutdown whose drain timeout runs out."""
 from __future__ import annotations
 
 import asyncio
@@ -7,7 +8,10 @@ import threading
 
 import httpx
 import pytest
-from server_helpers import MODEL_ID, wait_until
+from server_helpers import MODEL_ID, FinishedRecorder, tiny_config, wait_until
+
+from corekv.engine.llm_engine import Engine
+from corekv.server import BackgroundServer, build_app
 
 NUM_STREAMS = 4
 MAX_TOKENS = 16
@@ -111,3 +115,24 @@ def test_a_client_that_gives_up_on_a_whole_response_aborts_its_request(server, r
                            what="the abandoned request to finish")
     assert output.finish_reason == "abort"
     assert len(output.token_ids) < MANY_TOKENS
+
+
+def test_a_stream_longer_than_the_drain_timeout_is_aborted_at_shutdown(tiny_model_folder):
+    recorder = FinishedRecorder()
+    with Engine.from_config(tiny_config(tiny_model_folder), plugins=(recorder,)) as engine:
+        server = BackgroundServer(build_app(engine, served_model_name=MODEL_ID),
+                                  drain_timeout=0.2).start()
+        body = {"model": MODEL_ID, "prompt": "longer than the drain", "max_tokens": MANY_TOKENS,
+                "stream": True, "temperature": 0.0, "ignore_eos": True}
+        stopper = threading.Thread(target=server.stop)
+        lines = []
+        with pytest.raises(httpx.RemoteProtocolError):  # NOTE: the response is cut, not ended
+            with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=60) as r:
+                for line in r.iter_lines():
+                    lines.append(line)
+                    if not stopper.is_alive() and len(lines) == 1:
+                        stopper.start()
+        stopper.join(60)
+        assert not stopper.is_alive() and "data: [DONE]" not in lines
+        (output,) = recorder.outputs
+        assert output.finish_reason == "abort" and len(output.token_ids) < MANY_TOKENS
