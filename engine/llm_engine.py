@@ -3,7 +3,7 @@
 ``step()`` is the whole loop: the scheduler picks this step's tokens, the model runner runs them in
 one forward, the sampler picks next tokens, the scheduler appends them and retires finished
 sequences. Everything else here is the public surface around it: building the parts from a config,
-``generate`` / ``stream`` / ``warm`` / ``unpin``, plugin hooks and ``stats``.
+``generate`` / ``stream`` / ``text_stream`` / ``warm`` / ``unpin``, plugin hooks and ``stats``.
 """
 from __future__ import annotations
 
