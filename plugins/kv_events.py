@@ -128,12 +128,18 @@ class KVEventPublisher:
         seq = 0
         try:
             while True:
-                if self._replay is not None and self._replay.poll(0):
-                    self._serve_replay()
                 try:
-                    item = self._queue.get(timeout=0.05)
+                    item = self._queue.get_nowait()
                 except queue.Empty:
-                    continue
+                    # NOTE: replays are served only with the queue empty, so a replay holds
+                    # every batch published before the request came.
+                    if self._replay is not None and self._replay.poll(0):
+                        self._serve_replay()
+                        continue
+                    try:
+                        item = self._queue.get(timeout=0.05)
+                    except queue.Empty:
+                        continue
                 if item is None or self._is_aborted:
                     break
                 ts, events, num_dropped_before = item
@@ -221,7 +227,9 @@ def publisher_for(engine: Any) -> Any:
     return manager.pm.get_plugin(PUBLISHER_NAME)
 
 
-@hookimpl
+# NOTE: tryfirst: other engine-started hooks (the pinned plugin warming cache.pinned) store
+# blocks, and those events must find the publisher registered.
+@hookimpl(tryfirst=True)
 def corekv_on_engine_started(engine: Any) -> None:
     section = getattr(engine.config, "kv_events", None)
     if section is None or not section.enabled:

@@ -198,6 +198,19 @@ def test_a_reset_before_new_blocks_in_one_step_is_published_before_them(tiny):
     assert tags.index("AllBlocksCleared") < tags.index("BlockStored")
 
 
+def test_prefixes_pinned_at_startup_are_published(tiny):
+    pinned = prompt(2 * BS + 3, start=7)
+    config = load_config({"model": "tiny", "engine": {"num_blocks": 64, "block_size": BS},
+                          "cache": {"pinned": [{"token_ids": pinned}]},
+                          "kv_events": {"enabled": True, "endpoint": "tcp://127.0.0.1:0",
+                                        "replay_endpoint": "tcp://127.0.0.1:0"}}, env={})
+    with Engine(config, model=tiny) as engine:
+        frames = replay(publisher_for(engine).replay_endpoint, 0)
+    events = [e for _, payload in frames for e in msgpack.unpackb(payload)[1]]
+    assert [h for e in events if e[0] == "BlockStored" for h in e[1]] == \
+        engine.prefix_key(pinned).block_hashes
+
+
 def test_a_late_subscriber_gets_missed_batches_from_the_replay_socket(tiny):
     with make_engine(tiny, "radix") as engine:
         publisher = publisher_for(engine)
