@@ -222,14 +222,16 @@ class KVEventSubscriber:
     """Receives one publisher's batches on a background thread, in sequence order.
 
     Invariants: ``on_batch(seq, batch)`` is called from the subscriber's thread only, with ``seq``
-    strictly increasing (a publisher restart, seen as a live ``seq`` that does not grow, starts the
-    count over); a gap in the live stream is filled from ``replay_endpoint`` when given, and whatever
+    strictly increasing, except that a publisher restart (a live ``seq`` that does not grow) calls
+    ``on_restart()`` (drop what you knew of this publisher) and starts over from seq 0; a gap in the live stream is filled from ``replay_endpoint`` when given, and whatever
     stays missing is reported once to ``on_gap(first_missing_seq, num_missing)`` and counted in
     ``num_missed``; an undecodable payload is counted in ``num_decode_errors`` and skipped.
 
     :param endpoint: the publisher's PUB address to connect to (``tcp://127.0.0.1:5557``).
     :param replay_endpoint: its replay ROUTER address, or ``None`` (gaps are then only reported).
     :param topic: receive only this topic (``""``: every message).
+    :param on_gap: called with ``(first_missing_seq, num_missing)`` for batches lost for good.
+    :param on_restart: called when the publisher restarted (a new engine: its cache is new).
     :param start_seq: replay the publisher's buffer from this sequence number on start (``0``: all
         it still holds); ``None`` starts with the first live batch.
     :param replay_timeout_s: how long to wait for each replay reply before giving up on the rest.
@@ -237,7 +239,8 @@ class KVEventSubscriber:
 
     def __init__(self, endpoint: str, *, replay_endpoint: str | None = None, topic: str = "",
                  on_batch: Callable[[int, KVEventBatch], None],
-                 on_gap: Callable[[int, int], None] | None = None, start_seq: int | None = None,
+                 on_gap: Callable[[int, int], None] | None = None,
+                 on_restart: Callable[[], None] | None = None, start_seq: int | None = None,
                  replay_timeout_s: float = 1.0):
         for name, value in (("endpoint", endpoint), ("replay_endpoint", replay_endpoint)):
             if not (value is None and name == "replay_endpoint") and not (
@@ -246,8 +249,8 @@ class KVEventSubscriber:
                                  "address such as tcp://127.0.0.1:5557")
         if not isinstance(topic, str):
             raise TypeError(f"KVEventSubscriber(topic=...) got {topic!r}; expected a str ('' for all)")
-        for name, callback in (("on_batch", on_batch), ("on_gap", on_gap)):
-            if not callable(callback) and not (callback is None and name == "on_gap"):
+        for name, callback in (("on_batch", on_batch), ("on_gap", on_gap), ("on_restart", on_restart)):
+            if not callable(callback) and not (callback is None and name != "on_batch"):
                 raise TypeError(f"KVEventSubscriber({name}=...) got {callback!r}; expected a "
                                 "function")
         if start_seq is not None and (start_seq.__class__ is not int or start_seq < 0):
@@ -258,11 +261,12 @@ class KVEventSubscriber:
             raise ValueError(f"KVEventSubscriber(replay_timeout_s=...) got {replay_timeout_s!r}; "
                              "expected a number of seconds > 0")
         self.endpoint, self.replay_endpoint, self.topic = endpoint, replay_endpoint, topic
-        self.on_batch, self.on_gap = on_batch, on_gap
+        self.on_batch, self.on_gap, self.on_restart = on_batch, on_gap, on_restart
         self.start_seq, self.replay_timeout_s = start_seq, float(replay_timeout_s)
         #: the last sequence number handled (delivered, reported missing or undecodable)
         self.last_seq: int | None = None if start_seq is None else start_seq - 1
         self.num_batches = self.num_replayed = self.num_missed = self.num_decode_errors = 0
+        self.num_restarts = 0
         self._last_live_seq: int | None = None
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
@@ -325,7 +329,13 @@ class KVEventSubscriber:
         if self._last_live_seq is not None and seq <= self._last_live_seq:
             logger.info("KV event publisher %s restarted (seq %d after %d)", self.endpoint, seq,
                         self._last_live_seq)
-            self.last_seq = None
+            self.num_restarts += 1
+            self.last_seq = -1   # the new run's batches before this one are a gap like any other
+            if self.on_restart is not None:
+                try:
+                    self.on_restart()
+                except Exception:
+                    logger.exception("KVEventSubscriber on_restart failed")
         self._last_live_seq = seq
         last = self.last_seq
         if last is not None and seq <= last:

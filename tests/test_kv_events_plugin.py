@@ -249,6 +249,18 @@ def wait_for(condition, what: str) -> None:
     raise AssertionError(f"timed out waiting for {what}")
 
 
+def level_with(reader: RawReader, engine, received: list[int]) -> None:
+    """Probe until a late-joining subscriber has received the reader's latest batch too."""
+    for _ in range(50):
+        reader.sync(engine)
+        try:
+            wait_for(lambda: received and received[-1] == reader.seqs[-1], "a probe")
+            return
+        except AssertionError:
+            continue
+    raise AssertionError("the subscriber never caught up with the reader")
+
+
 def test_kv_event_subscriber_replays_from_start_then_follows_live(tiny):
     with make_engine(tiny, "hash_blocks") as engine:
         publisher = publisher_for(engine)
@@ -308,13 +320,7 @@ def test_kv_event_subscriber_fills_a_live_gap_from_replay_or_reports_it(tiny, wi
             forwarder.endpoint, replay_endpoint=publisher.replay_endpoint if with_replay else None,
             on_batch=lambda seq, batch: received.append(seq),
             on_gap=lambda first, count: gaps.append((first, count))).start()
-        for _ in range(50):   # both late joiners: probe until the subscriber is level with us
-            reader.sync(engine)
-            try:
-                wait_for(lambda: received and received[-1] == reader.seqs[-1], "a probe")
-                break
-            except AssertionError:
-                continue
+        level_with(reader, engine, received)
         num_gaps, num_missed = len(gaps), subscriber.num_missed
         gap_at = reader.seqs[-1] + 2
         forwarder.drop = {gap_at}
@@ -333,6 +339,29 @@ def test_kv_event_subscriber_fills_a_live_gap_from_replay_or_reports_it(tiny, wi
     else:
         assert after == [s for s in range(gap_at - 1, last + 1) if s != gap_at]
         assert gaps[num_gaps:] == [(gap_at, 1)] and subscriber.num_missed == num_missed + 1
+
+
+def test_kv_event_subscriber_sees_a_publisher_restart_and_starts_over_from_zero(tiny):
+    first = make_engine(tiny, "radix")
+    endpoint, replay_endpoint = publisher_for(first).endpoint, publisher_for(first).replay_endpoint
+    received, restarts = [], []
+    subscriber = KVEventSubscriber(endpoint, replay_endpoint=replay_endpoint,
+                                   on_batch=lambda seq, batch: received.append(seq),
+                                   on_restart=lambda: restarts.append(len(received))).start()
+    reader = RawReader(endpoint)
+    for i in range(4):
+        first.warm(prompt(BS + 1, start=30 * i), pin=False)
+    level_with(reader, first, received)
+    reader.close()
+    publisher_for(first).close()
+    first.close()
+    with make_engine(tiny, "radix", endpoint=endpoint, replay_endpoint=replay_endpoint) as second:
+        reader = RawReader(endpoint)
+        level_with(reader, second, received)   # the new run counts from 0 again
+        reader.close()
+        subscriber.close()
+    assert len(restarts) == 1 and subscriber.num_restarts == 1
+    assert received[restarts[0]:] == list(range(0, reader.seqs[-1] + 1))
 
 
 def test_the_topic_is_the_first_frame(tiny):
