@@ -110,7 +110,7 @@ class KVEventsConfig:
                                          "buffered batches from a sequence number; none: no replay",
                                          **_ZMQ_ADDRESS)
     topic: str = _field("", "the topic frame of every message, which subscribers filter on "
-                        "(unset: the empty topic)")
+                        "(\"\": the empty topic)", allow_empty=True)
     buffer_steps: int = _field(10000, "batches kept for replay", minimum=1)
     hwm: int = _field(100000, "most batches waiting to be sent (the publisher queue and the PUB "
                       "socket's high-water mark); past it batches are dropped and counted", minimum=1)
@@ -221,10 +221,6 @@ def _dump_fields(obj: Any, dump: Any) -> dict[str, Any]:
     data = {}
     for f in fields(obj):
         value = getattr(obj, f.name)
-        if value == "":
-            # NOTE: string fields reject "" when loaded, so an empty one can only be its default
-            # (kv_events.topic): leaving it out loads back the same value.
-            continue
         if f.metadata["check"].get("kind") == "size" and isinstance(value, int):
             data[f.name] = format_size(value)
         elif isinstance(value, tuple) and f.name != "token_ids":

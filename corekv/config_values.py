@@ -90,6 +90,8 @@ class Check:
     pattern_text: str = ""
     #: spellings to suggest for a rejected string when there are no ``choices``
     suggestions: tuple[str, ...] = ()
+    #: a string may be empty (e.g. kv_events.topic, where "" is a meaningful value)
+    allow_empty: bool = False
 
     def expected(self) -> str:
         if self.choices:
@@ -97,7 +99,8 @@ class Check:
         if self.pattern_text:
             return self.pattern_text
         text = {
-            "int": "an integer", "float": "a number", "str": "a non-empty string",
+            "int": "an integer", "float": "a number",
+            "str": "a string" if self.allow_empty else "a non-empty string",
             "bool": "true or false", "size": f"a size such as {SIZE_EXAMPLES}",
         }[self.kind]
         if self.power_of_two:
@@ -128,7 +131,7 @@ class Check:
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
                 return False, None
             value = float(value)
-        elif kind == "str" and (not isinstance(value, str) or not value):
+        elif kind == "str" and (not isinstance(value, str) or not (value or self.allow_empty)):
             return False, None
         if self.choices and value not in self.choices:
             return False, None

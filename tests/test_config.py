@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 import corekv
 from corekv.config import (
-    CacheConfig, Config, EngineConfig, PinnedPrefix, TierConfig, config_reference, dump_config,
+    CacheConfig, Config, EngineConfig, KVEventsConfig, PinnedPrefix, TierConfig, config_reference, dump_config,
     load_config,
 )
 from corekv.config_values import format_size, parse_size
@@ -78,7 +78,7 @@ MESSAGES = [
      "enable_prefix_caching, enable_chunked_prefill"),
     ({"modle": "x"},
      "modle: unknown key (value 'x'); did you mean 'model'? Valid keys: model, dtype, device, "
-     "engine, cache, plugins"),
+     "engine, cache, kv_events, plugins"),
     ({"engine": {"max_num_seqs": 0}}, "engine.max_num_seqs: got 0; expected an integer >= 1"),
     ({"engine": {"scheduling": "LPM"}},
      "engine.scheduling: got 'LPM'; expected one of lpm, fcfs; did you mean 'lpm'?"),
@@ -295,7 +295,7 @@ def test_yaml_problems_are_config_errors(tmp_path, pm):
     top_list = write(tmp_path, "- 1\n- 2\n", "list.yaml")
     assert str(error_of(top_list, pm)) == (
         "config: got [1, 2]; expected a mapping with keys model, dtype, device, engine, cache, "
-        f"plugins (in {top_list})")
+        f"kv_events, plugins (in {top_list})")
     missing = tmp_path / "missing.yaml"
     assert str(error_of(missing, pm)) == (
         f"config file '{missing}' not found; expected a YAML file: check the path (relative paths "
@@ -345,7 +345,8 @@ def test_env_override_errors_name_the_variable(pm):
         "(set by COREKV_ENGINE__BLOCK_SIZE)")
     assert str(error_of({"cache": TOY}, pm, COREKV_ENGNE__BLOCK_SIZE="32")) == (
         "COREKV_ENGNE__BLOCK_SIZE: unknown config section 'engne'; did you mean 'engine'? Expected "
-        "COREKV_<SECTION>__<KEY> with a section among model, dtype, device, engine, cache, plugins "
+        "COREKV_<SECTION>__<KEY> with a section among model, dtype, device, engine, cache, kv_events, "
+        "plugins "
         "(e.g. COREKV_ENGINE__BLOCK_SIZE=32)")
     assert str(error_of({"cache": TOY}, pm, COREKV_ENGINE__BLOK_SIZE="32")).startswith(
         "engine.blok_size: unknown key (value 32); did you mean 'block_size'?")
@@ -417,14 +418,15 @@ def test_reference_has_a_row_per_field_with_help_and_defaults(pm):
     assert text.startswith("| Field | Accepts | Default | Description |\n|---|---|---|---|\n")
 
     def paths(cls, prefix=""):
-        nested = {"engine": EngineConfig, "cache": CacheConfig, "pinned": PinnedPrefix,
-                  "tiers": TierConfig}
+        sections = ("engine", "cache", "kv_events")
+        nested = {"engine": EngineConfig, "cache": CacheConfig, "kv_events": KVEventsConfig,
+                  "pinned": PinnedPrefix, "tiers": TierConfig}
         for f in dataclasses.fields(cls):
             sub = nested.get(f.name)
-            if f.name not in ("engine", "cache"):
+            if f.name not in sections:
                 yield prefix + f.name, f
             if sub is not None:
-                yield from paths(sub, prefix + f.name + ("." if f.name in ("engine", "cache") else "[]."))
+                yield from paths(sub, prefix + f.name + ("." if f.name in sections else "[]."))
 
     for path, f in paths(Config):
         if f.name == "options":
