@@ -425,14 +425,13 @@ class Engine:
 
     def _after_step(self, finished: list[Sequence]) -> list[RequestOutput]:
         hook = self.plugin_manager.hook
-        events = self.backend.take_events()
-        if events:
-            stored = [e for e in events if e.kind == "stored"]
-            removed = [e for e in events if e.kind == "removed"]
-            if stored:
-                hook.corekv_on_blocks_stored(events=stored)
-            if removed:
-                hook.corekv_on_blocks_removed(events=removed)
+        # NOTE: one hook call per run of one kind, in the backend's order: a reset or eviction
+        # followed by new blocks in one step must reach subscribers in that order.
+        for kind, run in itertools.groupby(self.backend.take_events(), key=lambda e: e.kind):
+            if kind == "stored":
+                hook.corekv_on_blocks_stored(events=list(run))
+            elif kind == "removed":
+                hook.corekv_on_blocks_removed(events=list(run))
         outputs = []
         for seq in finished:
             request = self._requests[seq.request_id]

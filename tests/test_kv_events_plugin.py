@@ -183,10 +183,6 @@ def test_a_reset_is_published_as_all_blocks_cleared(tiny):
     assert [batch[1] for _, _, batch, _ in messages] == [[["AllBlocksCleared"]]]
 
 
-@pytest.mark.xfail(strict=True, reason="Engine._after_step calls corekv_on_blocks_stored before "
-                   "corekv_on_blocks_removed, so a reset (or an eviction) followed by new blocks "
-                   "in one step is published in the wrong order; needs the engine to call the "
-                   "hooks in the backend's event order")
 def test_a_reset_before_new_blocks_in_one_step_is_published_before_them(tiny):
     with make_engine(tiny, "hash_blocks") as engine:
         reader = RawReader(publisher_for(engine).endpoint)
