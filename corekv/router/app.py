@@ -6,10 +6,10 @@ an SSE stream is relayed as it comes. ``GET /v1/models`` goes to any healthy wor
 is 200 while any worker is healthy; ``GET /workers`` shows each worker's state.
 
 Retries: a request whose worker cannot be reached, drops the connection, or answers 502/503/504
-*before the router sent the client a byte* goes to another worker (``max_retries`` times). A
-non-streamed answer is read whole first, a stream up to its first token; so a worker that dies
-loses no request whose stream has not yet reached the client. Other answers (a worker's 4xx
-included) are passed through unchanged.
+*before the router sent the client a byte* goes to another worker (``max_retries`` times; when all
+fail, the last 502/503/504 is returned, else a 502 of the router's own). A non-streamed answer is
+read whole first, a stream up to its first token; so a worker that dies loses no request whose
+stream has not yet reached the client. Other answers (a worker's 4xx included) pass unchanged.
 """
 from __future__ import annotations
 
@@ -107,6 +107,7 @@ class _Router:
         headers = {k: v for k, v in request.headers.items() if k.lower() not in _DROPPED_HEADERS}
         tried: set[int] = set()
         failures: list[str] = []
+        busy_answer: Response | None = None  # the last 502/503/504, returned if no worker does better
         for _ in range(self.max_retries + 1):
             worker = self._pick(tried, token_ids, salt)
             if worker is None:
@@ -120,13 +121,18 @@ class _Router:
             except httpx.HTTPError as e:
                 self._failed(worker, ticket, failures, e)
                 continue
+            out_headers = {k: v for k, v in upstream.headers.items()
+                           if k.lower() not in _DROPPED_HEADERS}
             if upstream.status_code in RETRY_STATUSES:
+                try:
+                    busy_answer = Response(await upstream.aread(), status_code=upstream.status_code,
+                                           headers=out_headers)
+                except httpx.HTTPError:
+                    pass
                 await upstream.aclose()
                 worker.finish(ticket)
                 failures.append(f"{worker.url}: HTTP {upstream.status_code}")
                 continue
-            out_headers = {k: v for k, v in upstream.headers.items()
-                           if k.lower() not in _DROPPED_HEADERS}
             chunks = upstream.aiter_bytes()
             try:
                 # NOTE: read the whole body, or a stream up to its first token, before answering:
@@ -143,7 +149,7 @@ class _Router:
             return StreamingResponse(
                 _relay(first, chunks, upstream, worker, ticket), status_code=upstream.status_code,
                 headers=out_headers, background=BackgroundTask(_close, upstream, worker, ticket))
-        return self._unavailable(failures)
+        return busy_answer or self._unavailable(failures)
 
     def _pick(self, tried: set[int], token_ids: list[int], salt: Hashable) -> Worker | None:
         candidates = [w for w in self.pool.healthy_workers() if w.index not in tried]

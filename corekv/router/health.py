@@ -1,7 +1,8 @@
 """Health checks of the router's workers: :class:`WorkerPool` polls each worker's ``GET /health``.
 
-A worker that fails a check leaves the rotation (and its cache view is dropped); one that passes
-again rejoins with its ``GET /admin/info`` read again and its KV events subscribed again.
+A worker that refuses the connection, or fails two checks in a row, leaves the rotation (and
+its cache view is dropped); one that passes again rejoins with its ``GET /admin/info`` read again
+and its KV events subscribed again.
 """
 from __future__ import annotations
 
@@ -13,6 +14,9 @@ from typing import Any
 from corekv.router.workers import Worker
 
 logger = logging.getLogger(__name__)
+
+HEALTH_TIMEOUT_S = 10.0
+FAILED_CHECKS_TO_MARK_DOWN = 2  # in a row; a refused connection marks a worker down at once
 
 
 class WorkerPool:
@@ -29,6 +33,7 @@ class WorkerPool:
         self.use_events = use_events
         self._client: Any = None
         self._task: asyncio.Task | None = None
+        self._num_failed = [0] * len(self.workers)  # consecutive failed checks per worker
 
     def healthy_workers(self) -> list[Worker]:
         return [w for w in self.workers if w.is_healthy]
@@ -38,8 +43,8 @@ class WorkerPool:
         checking every ``health_interval_s`` in the background."""
         import httpx
 
-        timeout = min(max(self.health_interval_s, 1.0), 10.0)
-        self._client = httpx.AsyncClient(timeout=timeout)
+        # NOTE: a busy worker (a long prefill on a small CPU) answers late, not never
+        self._client = httpx.AsyncClient(timeout=HEALTH_TIMEOUT_S)
         await self.check_all()
         self._task = asyncio.create_task(self._check_forever())
 
@@ -62,15 +67,22 @@ class WorkerPool:
         """Poll ``GET /health``; a worker that recovers rejoins with its info re-read."""
         import httpx
 
+        is_refused = False
         try:
             response = await self._client.get(worker.url + "/health")
             reason = None if response.status_code == 200 else f"/health answered {response.status_code}"
         except httpx.HTTPError as e:
             reason = f"/health failed: {type(e).__name__}: {e}"
+            is_refused = isinstance(e, httpx.ConnectError)
         if reason is not None:
-            if worker.is_healthy:
+            self._num_failed[worker.index] += 1
+            # NOTE: a refused connection means the worker is gone; a slow or odd answer may be
+            # load, and marking down drops the worker's cache view, so it must happen twice.
+            failed_enough = self._num_failed[worker.index] >= FAILED_CHECKS_TO_MARK_DOWN
+            if worker.is_healthy and (is_refused or failed_enough):
                 worker.mark_down(reason)
             return False
+        self._num_failed[worker.index] = 0
         if not worker.is_healthy:
             worker.set_info(await self._read_info(worker))
             if self.use_events:

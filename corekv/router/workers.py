@@ -41,14 +41,19 @@ class Worker:
         self.routed_tree = BlockTree(block_size, max_blocks=max_tree_blocks)
         self.events_tree: BlockTree | None = None
         self.subscriber: Any = None
-        self.pending: dict[int, tuple[Hashable, Sequence[int]]] = {}
+        self.pending: dict[int, tuple[Hashable, list[int], int]] = {}  # salt, ids, new blocks
         self.num_requests = self.num_failures = self.num_event_batches = 0
         self._last_event_seq: int | None = None
         self._ids = itertools.count()
 
     @property
     def num_tree_blocks(self) -> int:
-        return self._tree().num_blocks
+        """Blocks believed cached here; with events, also the new blocks of prompts in flight
+        (NOTE: their events come after the prefill, and until then a burst of new prompts would
+        all pick the same "emptiest" worker)."""
+        if self.events_tree is None:
+            return self.routed_tree.num_blocks
+        return self.events_tree.num_blocks + sum(p[2] for p in self.pending.values())
 
     def match(self, token_ids: Sequence[int], cache_salt: Hashable) -> int:
         """Prompt tokens believed cached here: the tree's match, or a prompt still in flight here
@@ -57,7 +62,7 @@ class Worker:
         if self.events_tree is None:
             return self.routed_tree.match(token_ids, cache_salt)
         best = self.events_tree.match(token_ids, None)  # NOTE: events carry no salt
-        for salt, other in self.pending.values():
+        for salt, other, _ in self.pending.values():
             if salt == cache_salt and best < len(token_ids):
                 best = max(best, _common_blocks(token_ids, other, self.block_size))
         return best
@@ -67,10 +72,13 @@ class Worker:
         request_id = next(self._ids)
         self.load += 1
         self.num_requests += 1
-        token_ids = token_ids if isinstance(token_ids, list) else list(token_ids)
-        self.pending[request_id] = (cache_salt, token_ids)  # NOTE: a list: _common_blocks slices
+        token_ids = token_ids if isinstance(token_ids, list) else list(token_ids)  # NOTE: sliced
         if self.events_tree is None:
             self.routed_tree.insert(token_ids, cache_salt)
+            num_new = 0
+        else:
+            num_new = (len(token_ids) - self.events_tree.match(token_ids, None)) // self.block_size
+        self.pending[request_id] = (cache_salt, token_ids, num_new)
         return request_id
 
     def finish(self, request_id: int) -> None:
@@ -165,9 +173,6 @@ class Worker:
                              daemon=True).start()
 
     # -- helpers --------------------------------------------------------------------------------
-    def _tree(self) -> BlockTree:
-        return self.events_tree if self.events_tree is not None else self.routed_tree
-
     def _reachable(self, endpoint: str) -> str:
         """A publisher bound to every interface (``tcp://*:5557``) is reached at the worker's host."""
         scheme, _, rest = endpoint.partition("://")

@@ -104,3 +104,18 @@ def test_bad_thresholds_are_named(kwargs, match):
 def test_unknown_policy_names_the_choices():
     with pytest.raises(ValueError, match="cache_aware, round_robin"):
         make_policy("random")
+
+
+def test_a_burst_of_new_prompts_spreads_over_event_fed_workers():
+    """Events describe a prompt only after its prefill; meanwhile the prompt still counts."""
+    ws = workers(3)
+    for w in ws:
+        w.events_tree = type(w.routed_tree)(BLOCK)
+    ws[0].events_tree.store([b"h"], None, [7] * BLOCK)  # one block: no longer the emptiest
+    chosen = []
+    for i in range(3):
+        prompt = [i] * 16
+        worker = policy().choose(ws, prompt).worker
+        worker.begin(prompt, None)
+        chosen.append(worker.index)
+    assert sorted(chosen) == [0, 1, 2]

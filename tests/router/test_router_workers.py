@@ -80,3 +80,12 @@ def test_info_with_another_block_size_resizes_the_view():
     worker.set_info({"model": "m", "block_size": 4, "kv_events": None})
     worker.begin([1, 2, 3, 4], None)
     assert worker.block_size == 4 and worker.match([1, 2, 3, 4], None) == 4
+
+
+def test_prompts_in_flight_count_toward_an_events_view_size():
+    worker = subscribed_worker()
+    worker.apply_batch(0, batch(BlockStored([b"a"], None, [1, 2], BLOCK)))
+    ticket = worker.begin([1, 2, 3, 4, 5, 6], None)  # 2 blocks beyond what the events hold
+    assert worker.num_tree_blocks == 3
+    worker.finish(ticket)
+    assert worker.num_tree_blocks == 1
