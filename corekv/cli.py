@@ -178,7 +178,7 @@ def main(argv: list[str] | None = None) -> int:
     except SystemExit as e:  # --help
         return e.code if isinstance(e.code, int) else 0
     debug = getattr(args, "debug", False)
-    if args.command in ("generate", "warm", "store") and not debug:
+    if args.command in ("generate", "warm", "store", "serve", "route") and not debug:
         # NOTE: transformers and its GGUF reader draw tqdm bars while loading, which bury the one
         # line of output. tqdm reads TQDM_* variables when it is imported, so set it first.
         os.environ.setdefault("TQDM_DISABLE", "1")
