@@ -27,8 +27,8 @@ Each of ``--runs`` runs uses a fresh ``cache_salt``, so its prefix is cached now
 
 The reload bandwidth is the bytes loaded / the time from the request's arrival (its prefetch
 start) to the end of ``CacheManager.load_prefix`` at admission (timed by wrapping the real method);
-memcpy is ``torch.Tensor.copy_`` of the same number of bytes between two
-preallocated uint8 buffers, measured right after each reload. Medians of ``--runs`` runs.
+memcpy is the faster of ``numpy.copyto`` and ``torch.Tensor.copy_`` of the same number of bytes
+between two preallocated uint8 buffers (the stricter reference), measured right after each reload. Medians of ``--runs`` runs.
 """
 from __future__ import annotations
 
@@ -43,6 +43,7 @@ import tempfile
 import time
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from corekv.config import CacheConfig, Config, EngineConfig, TierConfig
@@ -89,15 +90,21 @@ class LoadTimer:
 
 
 def memcpy_seconds(num_bytes: int, repeats: int = 5) -> float:
+    """The faster of ``numpy.copyto`` and ``torch.Tensor.copy_`` between two preallocated uint8
+    buffers of ``num_bytes`` (median of ``repeats`` each): the stricter reference."""
     src = torch.empty(num_bytes, dtype=torch.uint8).fill_(7)
     dst = torch.empty(num_bytes, dtype=torch.uint8)
     dst.copy_(src)  # first touch
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        dst.copy_(src)
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+    src_np, dst_np = src.numpy(), dst.numpy()
+    best = float("inf")
+    for copy in (lambda: dst.copy_(src), lambda: np.copyto(dst_np, src_np)):
+        times = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            copy()
+            times.append(time.perf_counter() - t0)
+        best = min(best, statistics.median(times))
+    return best
 
 
 def evict_all(engine: Engine) -> None:

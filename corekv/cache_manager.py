@@ -37,7 +37,7 @@ import torch
 from corekv.backend import EvictedBlock
 from corekv.hashing import BlockHash, PrefixKey
 from corekv.offload_writer import OffloadWriter, safe_tier_call as _safe
-from corekv.pool_io import load_into_pool, pool_rows as _pool_rows, snapshot_blocks
+from corekv.pool_io import load_into_pool, pool_rows as _pool_rows, snapshot_blocks, write_rows
 from corekv.prefetch import Prefetch, Prefetcher, StagedRun
 from corekv.tier import Tier
 
@@ -364,8 +364,8 @@ class CacheManager:
 
     def _load_staged(self, key: PrefixKey, staged: Prefetch, pos: int, stop: int,
                      block_ids: Sequence[int], loaded: dict[str, int]) -> int:
-        """Put ``staged``'s blocks ``pos ..`` (up to ``stop``) into ``block_ids``: staging rows in
-        one batched copy per run, direct ones are there already; count, announce and promote
+        """Put ``staged``'s blocks ``pos ..`` (up to ``stop``) into ``block_ids``: staging rows are
+        copied (one batched host-to-device copy per run on an accelerator), direct ones are there; count, announce and promote
         them per tier run. Returns the number of blocks."""
         first = pos - staged.start
         last = min(stop, staged.start + staged.num_staged) - staged.start
@@ -378,7 +378,7 @@ class CacheManager:
             ids = list(block_ids[lo - first:hi - first])
             rows = staged.staging[lo:hi]
             if not run.is_direct:
-                self.kv_pool.write_blocks(ids, rows)
+                write_rows(self.kv_pool, ids, rows)
             tier = self.tiers[run.tier_index]
             keys = key.block_hashes[staged.start + lo:staged.start + hi]
             num = hi - lo

@@ -14,7 +14,7 @@ import torch
 from corekv.hashing import BlockHash
 from corekv.tier import Tier
 
-__all__ = ["pool_rows", "snapshot_blocks", "load_into_pool"]
+__all__ = ["pool_rows", "snapshot_blocks", "load_into_pool", "write_rows"]
 
 
 def pool_rows(pool) -> np.ndarray:
@@ -31,6 +31,21 @@ def snapshot_blocks(pool, block_ids: Sequence[int]) -> torch.Tensor:
     for i, block_id in enumerate(block_ids):
         out[i] = rows[block_id]
     return torch.from_numpy(out)
+
+
+def write_rows(pool, block_ids: Sequence[int], rows: torch.Tensor) -> None:
+    """Copy host ``rows`` (uint8 ``[len(block_ids), bytes_per_block]``) into pool blocks
+    ``block_ids``: row copies on a CPU pool (``index_copy_`` ran at under half of memcpy here),
+    one batched host-to-device ``write_blocks`` otherwise."""
+    if pool.storage.device.type != "cpu":
+        pool.write_blocks(list(block_ids), rows)
+        return
+    if rows.shape != (len(block_ids), pool.bytes_per_block) or rows.dtype != torch.uint8:
+        raise ValueError(f"rows must be uint8 [{len(block_ids)}, {pool.bytes_per_block}], got "
+                         f"{rows.dtype} {tuple(rows.shape)}; pass one staging row per block id")
+    dst, src = pool_rows(pool), rows.numpy()
+    for i, block_id in enumerate(block_ids):
+        dst[block_id] = src[i]
 
 
 def load_into_pool(pool, tier: Tier, keys: list[BlockHash], block_ids: list[int]) -> list[bool]:
