@@ -79,6 +79,17 @@ def corekv_on_engine_started(engine: Any) -> None:
 
 
 @hookspec
+def corekv_on_engine_closed(engine: Any) -> None:
+    """Called once when ``engine.close()`` has finished the tiers' writes, before the KV pool is
+    released: stop the servers, sockets and threads a plugin started for this engine.
+
+    :param engine: the :class:`corekv.Engine` (no longer serving requests).
+
+    .. versionadded:: 0.2
+    """
+
+
+@hookspec
 def corekv_on_blocks_stored(events: list[BlockEvent]) -> None:
     """Full blocks became hittable in the device cache.
 

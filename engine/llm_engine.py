@@ -145,6 +145,7 @@ class Engine:
             finally:
                 self.backend.on_evict = None
                 manager.close()
+        self.plugin_manager.hook.corekv_on_engine_closed(engine=self)
         self._requests.clear()
         self.runner = self.kv_pool = self.blocks.kv_pool = None
 

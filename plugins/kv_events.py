@@ -109,6 +109,10 @@ class KVEventPublisher:
                 logger.warning("KV event queue full (kv_events.hwm=%d): batches are dropped and "
                                "counted", self.config.hwm)
 
+    @hookimpl
+    def corekv_on_engine_closed(self, engine: Any) -> None:
+        self.close()
+
     def close(self) -> None:
         """Send what is queued (up to CLOSE_TIMEOUT_S), then close the sockets. Idempotent."""
         if self._is_closed:
@@ -236,7 +240,7 @@ def corekv_on_engine_started(engine: Any) -> None:
         return
     publisher = KVEventPublisher(section, block_size=engine.block_size)
     # NOTE: registered on *this engine's* plugin manager, so each engine's events reach only its
-    # own publisher. There is no engine-closed hook: the sockets close when the engine is
-    # collected, or sooner with publisher_for(engine).close().
+    # own publisher. engine.close() closes the sockets (corekv_on_engine_closed); an engine that
+    # is never closed closes them when it is garbage-collected.
     engine.plugin_manager.register(publisher, name=PUBLISHER_NAME)
     weakref.finalize(engine, publisher.close)

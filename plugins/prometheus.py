@@ -121,6 +121,10 @@ class PrometheusExporter:
         logger.info("prometheus metrics on http://%s:%d/metrics", addr, self._server.server_port)
         return self._server.server_port
 
+    @hookimpl
+    def corekv_on_engine_closed(self, engine: Any) -> None:
+        self.close()
+
     def close(self) -> None:
         """Stop the HTTP server, if one runs. Idempotent."""
         if self._server is not None:
@@ -162,8 +166,8 @@ def corekv_on_engine_started(engine: Any) -> None:
     # each engine reach its own exporter only: no module-level registry, nothing shared.
     exporter = PrometheusExporter(engine)
     engine.plugin_manager.register(exporter, name=EXPORTER_NAME)
-    # NOTE: there is no engine-closed hook; an HTTP server still running when the engine is
-    # garbage-collected is shut down then (call exporter.close() to stop it sooner).
+    # NOTE: engine.close() stops the HTTP server (corekv_on_engine_closed); an engine that is
+    # never closed stops it when it is garbage-collected.
     weakref.finalize(engine, exporter.close)
     port = os.environ.get(PORT_ENV)
     if port:

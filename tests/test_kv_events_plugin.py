@@ -408,6 +408,13 @@ def test_a_taken_endpoint_is_a_config_error_naming_the_field(tiny):
             make_engine(tiny, endpoint=taken, replay_endpoint=None)
 
 
+def test_the_sockets_close_when_the_engine_is_closed(tiny):
+    engine = make_engine(tiny)
+    endpoint, replay = publisher_for(engine).endpoint, publisher_for(engine).replay_endpoint
+    engine.close()  # corekv_on_engine_closed; the engine object is still alive here
+    make_engine(tiny, endpoint=endpoint, replay_endpoint=replay).close()  # both addresses are free
+
+
 def test_the_sockets_close_with_the_publisher_and_when_the_engine_is_collected(tiny):
     engine = make_engine(tiny)
     endpoint = publisher_for(engine).endpoint

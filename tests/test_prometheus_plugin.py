@@ -163,6 +163,17 @@ def test_exporter_for_rejects_what_is_not_an_engine():
         exporter_for(object())
 
 
+def test_the_server_stops_when_its_engine_is_closed(tiny):
+    engine = make_engine(tiny)
+    exporter = exporter_for(engine)
+    port = exporter.start_http_server(0)
+    urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read()
+    engine.close()  # corekv_on_engine_closed; the engine is still referenced here
+    assert exporter._server is None
+    with pytest.raises(OSError):
+        urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read()
+
+
 def test_the_server_stops_when_its_engine_is_garbage_collected(tiny):
     import gc
 
@@ -170,8 +181,7 @@ def test_the_server_stops_when_its_engine_is_garbage_collected(tiny):
     exporter = exporter_for(engine)
     port = exporter.start_http_server(0)
     urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read()
-    engine.close()
-    del engine
+    del engine  # never closed
     gc.collect()
     assert exporter._server is None
     with pytest.raises(OSError):

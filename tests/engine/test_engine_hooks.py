@@ -28,6 +28,11 @@ class Recorder:
         self.calls.append(("started", engine, engine.stats()["kv_num_blocks"]))
 
     @hookimpl
+    def corekv_on_engine_closed(self, engine):
+        # the tiers' writes are finished and the pool is still there
+        self.calls.append(("closed", engine, engine.kv_pool is not None))
+
+    @hookimpl
     def corekv_on_blocks_stored(self, events):
         self.calls.append(("stored", events))
 
@@ -55,6 +60,9 @@ def test_engine_started_is_called_once_when_the_engine_is_ready(tiny_llama):
     recorder = Recorder()
     with make_engine(tiny_llama, plugins=[recorder]) as engine:
         assert recorder.calls == [("started", engine, 64)]
+    assert recorder.calls == [("started", engine, 64), ("closed", engine, True)]
+    engine.close()  # idempotent: closed is called once
+    assert len(recorder.calls) == 2
 
 
 @pytest.mark.parametrize("backend", ["hash_blocks", "radix"])
