@@ -12,8 +12,12 @@ Offload: ``write_back`` (default) copies a cached block out of the pool at the m
 evicts it (before its slot is reused), ``write_through`` as soon as it is cached. The copy is
 taken on the step's thread (a memcpy); the tier writes run on one background thread behind a
 bounded queue (:mod:`corekv.offload_writer`), and when that queue is full the blocks are skipped
-and counted — generation never waits for a tier. Blocks reloaded from a lower tier are promoted
-to the tiers above it (from the staging rows when they were prefetched).
+and counted — generation never waits for a tier. Blocks reloaded from a lower tier reach the tiers
+above it: with ``write_back`` when they are evicted, like any cached block (eviction writes every
+tier that lacks a block); with ``write_through`` at once (from the staging rows when prefetched).
+
+NOTE: promoting at reload under ``write_back`` would copy every reloaded block out of the pool
+again on the admission path (inside TTFT) for a write that eviction makes anyway.
 
 NOTE: an offloaded block goes to *every* tier that does not already hold it (each checked with
 ``exists``), not only the first: with ``host`` above ``lmdb`` the fast tier catches re-use within
@@ -135,7 +139,7 @@ class CacheManager:
                 self.hit_counts.update(keys[:num_ok])
                 if self.hooks is not None:
                     self.hooks.corekv_on_blocks_loaded(tier=tier.name, block_hashes=list(keys[:num_ok]))
-                if run.tier_index > 0:  # promote to the faster tiers above
+                if run.tier_index > 0 and self.write_policy == "write_through":  # promote now
                     self._enqueue(keys[:num_ok], ids[:num_ok], tiers=self.tiers[:run.tier_index])
             if num_ok < len(flags):
                 break
@@ -365,7 +369,7 @@ class CacheManager:
     def _load_staged(self, key: PrefixKey, staged: Prefetch, pos: int, stop: int,
                      block_ids: Sequence[int], loaded: dict[str, int]) -> int:
         """Put ``staged``'s blocks ``pos ..`` (up to ``stop``) into ``block_ids``: staging rows are
-        copied (one batched host-to-device copy per run on an accelerator), direct ones are there; count, announce and promote
+        copied (one batched host-to-device copy per run on an accelerator), direct ones are there; count, announce (and promote)
         them per tier run. Returns the number of blocks."""
         first = pos - staged.start
         last = min(stop, staged.start + staged.num_staged) - staged.start
@@ -388,7 +392,7 @@ class CacheManager:
             self.hit_counts.update(keys)
             if self.hooks is not None:
                 self.hooks.corekv_on_blocks_loaded(tier=tier.name, block_hashes=list(keys))
-            if run.tier_index > 0:  # promote; staged rows are a CPU copy already
+            if run.tier_index > 0 and self.write_policy == "write_through":  # promote now
                 if run.is_direct:
                     self._enqueue(keys, ids, tiers=self.tiers[:run.tier_index])
                 else:

@@ -64,8 +64,25 @@ def test_a_prefix_can_continue_from_one_tier_into_the_next(tmp_path):
     assert runs == [TierRun(0, 2), TierRun(1, 2)]
     assert manager.load(key, 0, runs, [4, 5, 6, 7]) == {"host": 2, "lmdb": 2}
     assert torch.equal(pool.read_blocks([4, 5, 6, 7]), original)
-    manager.flush()  # the two LMDB hits were promoted to the host tier
+    manager.flush()
+    assert host.exists(key.block_hashes) == 2, "write-back promotes at eviction, not at reload"
+    manager.on_evict([EvictedBlock(h, b) for h, b in zip(key.block_hashes, [4, 5, 6, 7])])
+    manager.flush()
     assert host.exists(key.block_hashes) == 4
+    manager.close()
+
+
+def test_write_through_promotes_lower_tier_hits_at_reload(tmp_path):
+    pool = make_pool()
+    host = HostTier(size=8 * 4096, **tier_kwargs(pool))
+    disk = LMDBTier(path=str(tmp_path / "kv"), size=1 << 22, **tier_kwargs(pool))
+    key = make_key(2)
+    payload = pool.read_blocks([0, 1]).view(torch.uint8).reshape(2, -1).numpy()
+    disk.put([(h, payload[i]) for i, h in enumerate(key.block_hashes)])
+    manager = CacheManager([host, disk], pool, write_policy="write_through", prefetch_blocks=0)
+    assert manager.load(key, 0, manager.lookup(key, 0, 2), [4, 5]) == {"lmdb": 2}
+    manager.flush()
+    assert host.exists(key.block_hashes) == 2
     manager.close()
 
 
@@ -360,7 +377,7 @@ def test_prefetch_stages_at_most_its_bound_and_loads_the_rest_synchronously(tmp_
     disk = LMDBTier(path=str(tmp_path / "kv"), size=1 << 22, **tier_kwargs(pool))
     key = make_key(4)
     original = offloaded(pool, key, disk)  # only in the lower tier: staged rows get promoted
-    manager = CacheManager([host, disk], pool, prefetch_blocks=3)
+    manager = CacheManager([host, disk], pool, prefetch_blocks=3, write_policy="write_through")
     prefetch = manager.prefetch(key, 0, 4)
     prefetch.future.result()
     assert manager.prefetch_stats()["num_staged_blocks"] == 3
