@@ -44,6 +44,9 @@ class WorkerProcess:
         self.process: subprocess.Popen | None = None
 
     def start(self) -> None:
+        if self.process is not None and self.process.poll() is None:
+            raise AssertionError(f"worker on port {self.port} is still running; kill or stop it "
+                                 "before starting it again (it would be left behind)")
         env = dict(os.environ, COREKV_DISABLE_PLUGIN_AUTOLOAD="1", TQDM_DISABLE="1")
         log = open(self.log_path, "ab")
         self.process = subprocess.Popen(

@@ -133,7 +133,8 @@ def test_killed_worker_loses_no_request_and_rejoins_after_restart(workers, make_
         state = router.workers_state()[1]
         assert state["failures"] >= 1 and not state["healthy"] and state["in_flight"] == 0
     finally:
-        victim.start()
+        if victim.process.poll() is not None:  # NOTE: killed (else the session keeps it as is)
+            victim.start()
     wait_until(victim.is_ready, 120, "the restarted worker", 0.2)
     wait_until(lambda: router.workers_state()[1]["healthy"], 30, "the router to see it healthy")
     state = router.workers_state()[1]
