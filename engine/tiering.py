@@ -3,7 +3,8 @@
 Each ``cache.tiers`` entry names a tier type a plugin registers; :func:`make_cache_manager` builds
 them in order with the block geometry of the engine's KV pool and the model's fingerprint (so a
 tier never serves another model's or another layout's blocks), puts them under a
-:class:`CacheManager`, and hooks it to the backend's evictions (write-back).
+:class:`CacheManager` (which prefetches arriving requests' tier hits into host staging), and hooks
+it to the backend's evictions (write-back).
 """
 from __future__ import annotations
 
@@ -50,9 +51,12 @@ def make_cache_manager(cache: CacheConfig, plugin_manager, model, kv_pool, backe
         for tier in tiers:
             tier.close()
         raise
+    # NOTE: getattr: ``cache.prefetch_blocks`` (0 turns prefetch off) is read when the config
+    # carries it; without it the staging bound is the device pool's size.
     manager = CacheManager(tiers, kv_pool, write_policy=cache.write_policy,
                            offload_min_hits=cache.offload_min_hits,
-                           queue_blocks=cache.offload_queue_blocks, hooks=plugin_manager.hook)
+                           queue_blocks=cache.offload_queue_blocks, hooks=plugin_manager.hook,
+                           prefetch_blocks=getattr(cache, "prefetch_blocks", None))
     try:
         backend.on_evict = manager.on_evict
     except ValueError as e:
