@@ -42,7 +42,7 @@ from corekv.backend import EvictedBlock
 from corekv.hashing import BlockHash, PrefixKey
 from corekv.offload_writer import OffloadWriter, safe_tier_call as _safe
 from corekv.pool_io import load_into_pool, pool_rows as _pool_rows, snapshot_blocks, write_rows
-from corekv.prefetch import Prefetch, Prefetcher, StagedRun
+from corekv.prefetch import Prefetch, Prefetcher
 from corekv.tier import Tier
 
 logger = logging.getLogger(__name__)
