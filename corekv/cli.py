@@ -1,5 +1,6 @@
 """The ``corekv`` command line: ``plugins``, ``config``, ``bench hit-rate|plot-reload``,
-``generate``, ``warm``, ``store stats|ls|verify|clear``.
+``generate``, ``warm``, ``store stats|ls|verify|clear``, ``serve`` (corekv/cli_serve.py) and
+``route`` (corekv/cli_route.py).
 
 Config: ``--config FILE``, else ``$COREKV_CONFIG``, else the packaged ``corekv/defaults.yaml`` (the
 default model plus an lmdb tier at ``./kvstore``, so two runs of the same prompt share its
@@ -60,7 +61,9 @@ def build_parser() -> argparse.ArgumentParser:
         "  corekv config --config cache.yaml\n"
         "  corekv generate --prompt 'What is a KV cache?' --chat\n"
         "  corekv bench hit-rate\n"
-        "  corekv store stats --config cache.yaml\n", _EXIT_CODES_HELP))
+        "  corekv store stats --config cache.yaml\n"
+        "  corekv serve --config cache.yaml --port 8000\n"
+        "  corekv route --workers http://127.0.0.1:8001 http://127.0.0.1:8002\n", _EXIT_CODES_HELP))
     commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True,
                                      parser_class=_Parser)
 
