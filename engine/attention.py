@@ -6,8 +6,9 @@ batch attend causally over its own blocks. No model class is copied or patched: 
 modeling code dispatches through ``AttentionInterface`` runs unchanged.
 
 The batch layout is fixed by :class:`corekv.engine.model_runner.ModelRunner`: the first
-``num_decode_tokens`` tokens are single-token chunks (decodes, batched into one SDPA call with a
-padding mask); the rest are prefill chunks (one SDPA call each, causal with their cached context).
+``num_decode_tokens`` tokens are single-token chunks (decodes, batched per :class:`DecodeGroup` into
+one padded SDPA call, plus one for the group's shared leading blocks); the rest are prefill chunks
+(one SDPA call each, causal with their cached context).
 
 Called without ``corekv_metadata`` (e.g. by ``model.generate``) it is exactly transformers' SDPA
 attention, so a loaded model remains an ordinary Hugging Face model.
@@ -45,23 +46,38 @@ class PrefillSlice:
 
 
 @dataclass
+class DecodeGroup:
+    """Decode rows ``[row_start, row_end)`` of the flattened batch (one token each).
+
+    Invariants: row ``r``'s blocks are ``shared_blocks`` (blocks every row of the group starts
+    with, or None) followed by its row of ``block_tables``; rows are padded with block 0 and the
+    padding is masked out by the additive ``mask`` (0 / -inf, None when every row is exactly full);
+    each row holds at least the block of its query token.
+    """
+
+    row_start: int
+    row_end: int
+    #: long [rows, num_blocks]
+    block_tables: torch.Tensor
+    #: additive [rows, 1, 1, num_blocks * block_size] or None
+    mask: torch.Tensor | None = None
+    #: long [num_shared_blocks] or None
+    shared_blocks: torch.Tensor | None = None
+
+
+@dataclass
 class AttentionMetadata:
     """Per-forward description of the batch; built once per step, read by every layer.
 
     Invariants: ``slot_block_ids[t], slot_offsets[t]`` is token ``t``'s slot; decode tokens come
-    first; a decode sequence's blocks are ``decode_shared_blocks`` (the leading blocks every decode
-    sequence has in common, or None) followed by its row of ``decode_block_tables``; rows are padded
-    with block 0 and the padding is masked out by the additive ``decode_mask`` (0 / -inf, None when
-    every row is exactly full); each row holds at least the block of its query token.
+    first, and ``decode_groups`` cover rows ``0 .. num_decode_tokens - 1`` exactly once, in order.
     """
 
     kv_pool: KVPool
     slot_block_ids: torch.Tensor
     slot_offsets: torch.Tensor
     num_decode_tokens: int = 0
-    decode_block_tables: torch.Tensor | None = None
-    decode_mask: torch.Tensor | None = None
-    decode_shared_blocks: torch.Tensor | None = None
+    decode_groups: list[DecodeGroup] = field(default_factory=list)
     prefills: list[PrefillSlice] = field(default_factory=list)
     #: reusable gather buffers by name (owned by the runner, kept across steps; see ``_gather``)
     buffers: dict[str, torch.Tensor] = field(default_factory=dict)
@@ -107,8 +123,10 @@ def paged_attention_forward(
         # NOTE: one query per sequence, so the query heads of a KV group become that group's query
         # rows ([B, Hkv, G, D]) and attention never materialises repeated K/V.
         q = queries[:num_decode].reshape(num_decode, num_kv_heads, num_heads // num_kv_heads, head_dim)
-        out[:num_decode] = _decode_attention(q, k_cache, v_cache, meta, scaling).reshape(
-            num_decode, num_heads, head_dim)
+        for group in meta.decode_groups:
+            rows = slice(group.row_start, group.row_end)
+            out[rows] = _decode_attention(q[rows], k_cache, v_cache, group, meta.buffers, scaling).reshape(
+                group.row_end - group.row_start, num_heads, head_dim)
 
     gqa = num_heads != num_kv_heads
     for chunk in meta.prefills:
@@ -126,26 +144,26 @@ def paged_attention_forward(
     return out[None], None
 
 
-def _decode_attention(q, k_cache, v_cache, meta: AttentionMetadata, scaling) -> torch.Tensor:
-    """Attention of the decode queries ``[B, Hkv, G, D]`` over their blocks."""
-    k = _gather(k_cache, meta.decode_block_tables, meta.buffers, "k")
-    v = _gather(v_cache, meta.decode_block_tables, meta.buffers, "v")
-    if meta.decode_shared_blocks is None:
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=meta.decode_mask, scale=scaling)
-    # NOTE: cascade attention. When every decoding sequence starts with the same blocks (a shared
-    # system prompt, n > 1 samples), those blocks are gathered once and attended by all B*G query
-    # rows in one GEMM-shaped call; only each sequence's own tail is gathered per sequence. The two
-    # partial results merge exactly through their log-sum-exps. This cuts the bytes a decode step
-    # moves through memory roughly by the shared fraction of the context.
-    batch, num_kv_heads, group, head_dim = q.shape
-    shared = meta.decode_shared_blocks[None]
-    k_shared = _gather(k_cache, shared, meta.buffers, "k_shared")
-    v_shared = _gather(v_cache, shared, meta.buffers, "v_shared")
-    q_shared = q.permute(1, 0, 2, 3).reshape(1, num_kv_heads, batch * group, head_dim)
+def _decode_attention(q, k_cache, v_cache, group: DecodeGroup, buffers: dict, scaling) -> torch.Tensor:
+    """Attention of one group's decode queries ``[B, Hkv, G, D]`` over their blocks."""
+    k = _gather(k_cache, group.block_tables, buffers, "k")
+    v = _gather(v_cache, group.block_tables, buffers, "v")
+    if group.shared_blocks is None:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=group.mask, scale=scaling)
+    # NOTE: cascade attention. When a group of decoding sequences starts with the same blocks (a
+    # shared system prompt or document, n > 1 samples), those blocks are gathered once and attended
+    # by all B*G query rows in one GEMM-shaped call; only each sequence's own tail is gathered per
+    # sequence. The two partial results merge exactly through their log-sum-exps. This cuts the
+    # bytes a decode step moves through memory roughly by the shared fraction of the context.
+    batch, num_kv_heads, q_per_kv, head_dim = q.shape
+    shared = group.shared_blocks[None]
+    k_shared = _gather(k_cache, shared, buffers, "k_shared")
+    v_shared = _gather(v_cache, shared, buffers, "v_shared")
+    q_shared = q.permute(1, 0, 2, 3).reshape(1, num_kv_heads, batch * q_per_kv, head_dim)
     out_shared, lse_shared = _attention_with_lse(q_shared, k_shared, v_shared, None, scaling)
-    out_shared = out_shared.view(num_kv_heads, batch, group, head_dim).transpose(0, 1)
-    lse_shared = lse_shared.view(num_kv_heads, batch, group).transpose(0, 1)
-    out_own, lse_own = _attention_with_lse(q, k, v, meta.decode_mask, scaling)
+    out_shared = out_shared.view(num_kv_heads, batch, q_per_kv, head_dim).transpose(0, 1)
+    lse_shared = lse_shared.view(num_kv_heads, batch, q_per_kv).transpose(0, 1)
+    out_own, lse_own = _attention_with_lse(q, k, v, group.mask, scaling)
     lse = torch.logaddexp(lse_shared, lse_own)
     return (out_shared * torch.exp(lse_shared - lse)[..., None]
             + out_own * torch.exp(lse_own - lse)[..., None]).to(q.dtype)

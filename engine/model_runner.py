@@ -10,11 +10,12 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 from itertools import chain
+from os.path import commonprefix
 
 import torch
 
 from corekv.errors import CoreKVError
-from corekv.engine.attention import ATTENTION_NAME, METADATA_KWARG, AttentionMetadata, PrefillSlice
+from corekv.engine.attention import ATTENTION_NAME, METADATA_KWARG, AttentionMetadata, DecodeGroup, PrefillSlice
 from corekv.engine.kv_pool import KVPool
 from corekv.engine.models import LoadedModel
 
@@ -61,12 +62,17 @@ class ModelRunner:
         """Run one step; returns float32 logits ``[len(chunks), vocab]`` of each chunk's last token."""
         if not chunks:
             raise CoreKVError("ModelRunner.execute: chunks is empty; schedule at least one chunk")
-        # NOTE: single-token chunks (decodes, or a 1-token prompt) go first so they form one batched
-        # attention call; `order` maps the runner's layout back to the caller's order.
-        order = sorted(range(len(chunks)), key=lambda i: len(chunks[i].token_ids) != 1)
+        self._validate(chunks)
+        # NOTE: single-token chunks (decodes, or a 1-token prompt) go first, grouped by shared
+        # leading blocks, so each group is one batched attention call; `order` maps the runner's
+        # layout back to the caller's order.
+        bs = self.block_size
+        decode_ids = [i for i, c in enumerate(chunks) if len(c.token_ids) == 1]
+        groups = cascade_groups([chunks[i].block_table[:chunks[i].start_pos // bs + 1] for i in decode_ids])
+        order = [decode_ids[row] for rows, _ in groups for row in rows]
+        order += [i for i, c in enumerate(chunks) if len(c.token_ids) != 1]
         ordered = [chunks[i] for i in order]
-        self._validate(ordered)
-        meta, input_ids, positions, last_index = self._prepare(ordered)
+        meta, input_ids, positions, last_index = self._prepare(ordered, [(len(rows), n) for rows, n in groups])
         out = self.model(input_ids=input_ids[None], position_ids=positions[None], use_cache=False,
                          logits_to_keep=last_index, **{METADATA_KWARG: meta})
         if meta.num_layer_calls != self.loaded.num_layers:
@@ -80,7 +86,7 @@ class ModelRunner:
         result[torch.tensor(order, device=logits.device)] = logits
         return result
 
-    def _prepare(self, chunks: list[ScheduledChunk]):
+    def _prepare(self, chunks: list[ScheduledChunk], group_sizes: list[tuple[int, int]]):
         bs, device = self.block_size, self.device
         lengths = [len(c.token_ids) for c in chunks]
         starts = [c.start_pos for c in chunks]
@@ -97,7 +103,11 @@ class ModelRunner:
         slot_block_ids = flat_tables[table_bases[chunk_of_token] + positions // bs]
 
         num_decode = sum(1 for n in lengths if n == 1)
-        decode = self._decode_tables(tables[:num_decode], starts[:num_decode]) if num_decode else (None,) * 3
+        decode_groups, row = [], 0
+        for num_rows, num_shared in group_sizes:
+            decode_groups.append(self._decode_group(row, tables[row:row + num_rows], starts[row:row + num_rows],
+                                                    num_shared))
+            row += num_rows
         prefills = []
         for i in range(num_decode, len(chunks)):
             start, n = starts[i], lengths[i]
@@ -113,9 +123,7 @@ class ModelRunner:
             slot_block_ids=slot_block_ids.to(device),
             slot_offsets=(positions % bs).to(device),
             num_decode_tokens=num_decode,
-            decode_block_tables=decode[0],
-            decode_mask=decode[1],
-            decode_shared_blocks=decode[2],
+            decode_groups=decode_groups,
             prefills=prefills,
             buffers=self._gather_buffers,
         )
@@ -123,25 +131,20 @@ class ModelRunner:
         last_index = torch.cumsum(lengths_t, 0) - 1
         return meta, input_ids.to(device), positions.to(device), last_index.to(device)
 
-    def _decode_tables(self, tables: list[list[int]], starts: list[int]):
-        """Padded block tables, additive padding mask and shared leading blocks of the decodes."""
+    def _decode_group(self, row_start: int, tables: list[list[int]], starts: list[int], num_shared: int) -> DecodeGroup:
+        """Padded block tables (after the shared blocks) and additive padding mask of one group."""
         bs, device = self.block_size, self.device
-        max_blocks = max(len(t) for t in tables)
-        padded = torch.tensor([t + [0] * (max_blocks - len(t)) for t in tables], dtype=torch.long)
-        num_shared = 0
-        if len(tables) > 1:
-            # leading columns equal in every row; each row keeps at least its last block
-            same = (padded == padded[0]).all(0).long()
-            num_shared = min(int(torch.cumprod(same, 0).sum()), min(len(t) for t in tables) - 1)
-        shared = padded[0, :num_shared].to(device) if num_shared else None
-        padded = padded[:, num_shared:]
+        max_blocks = max(len(t) for t in tables) - num_shared
+        padded = torch.tensor([t[num_shared:] + [0] * (max_blocks + num_shared - len(t)) for t in tables],
+                              dtype=torch.long)
         context = torch.tensor(starts) + 1 - num_shared * bs
         mask = None
-        if bool((context != padded.shape[1] * bs).any()):
-            valid = torch.arange(padded.shape[1] * bs)[None] < context[:, None]
+        if bool((context != max_blocks * bs).any()):
+            valid = torch.arange(max_blocks * bs)[None] < context[:, None]
             mask = torch.zeros(valid.shape, dtype=self.kv_pool.dtype).masked_fill_(~valid, float("-inf"))
             mask = mask[:, None, None].to(device)
-        return padded.to(device), mask, shared
+        shared = torch.tensor(tables[0][:num_shared], dtype=torch.long, device=device) if num_shared else None
+        return DecodeGroup(row_start, row_start + len(tables), padded.to(device), mask, shared)
 
     def _validate(self, chunks: list[ScheduledChunk]) -> None:
         bs, num_blocks = self.block_size, self.kv_pool.num_blocks
@@ -166,3 +169,32 @@ class ModelRunner:
                     f"ModelRunner.execute: block_table {table} has ids outside [0, {num_blocks}); "
                     "this indicates a bug in the block allocation"
                 )
+
+
+def cascade_groups(tables: list[list[int]]) -> list[tuple[list[int], int]]:
+    """Partition decode rows (their block tables, each ending with its query's block) into
+    ``(rows, num_shared_blocks)`` groups: rows starting with the same block form a group that
+    attends its common leading blocks once (``num_shared_blocks >= 1``, and every row keeps at
+    least its last block of its own); the remaining rows form one last group with 0.
+
+    NOTE: the common prefix of a group is the prefix of all its rows, so one row that diverges
+    early shortens it for the whole group; prompts that share a prefix share all of its blocks (the
+    scheduler holds back a prompt whose prefix blocks are still being computed), so in practice a
+    group's rows diverge at the same block.
+    """
+    by_first: dict[int, list[int]] = {}
+    for row, table in enumerate(tables):
+        by_first.setdefault(table[0], []).append(row)
+    groups, plain = [], []
+    for rows in by_first.values():
+        num_shared = 0
+        if len(rows) > 1:
+            group_tables = [tables[r] for r in rows]
+            num_shared = min(len(commonprefix(group_tables)), min(len(t) for t in group_tables) - 1)
+        if num_shared:
+            groups.append((rows, num_shared))
+        else:
+            plain += rows
+    if plain:
+        groups.append((sorted(plain), 0))
+    return groups

@@ -13,7 +13,7 @@ import torch
 
 from corekv.errors import CoreKVError
 from corekv.engine.kv_pool import KVPool
-from corekv.engine.model_runner import ModelRunner, ScheduledChunk
+from corekv.engine.model_runner import ModelRunner, ScheduledChunk, cascade_groups
 
 
 def make_runner(loaded, num_blocks=64, block_size=16):
@@ -234,6 +234,38 @@ def test_decodes_sharing_leading_blocks_match_hf(tiny_llama, hf_attention, suffi
     rest = [ScheduledChunk(s[48:-1], 48, t) for s, t in zip(seqs, tables) if len(s) > 49]
     if rest:
         runner.execute(rest)
+    logits = runner.execute([ScheduledChunk([s[-1]], len(s) - 1, t) for s, t in zip(seqs, tables)])
+    expected = torch.stack([reference_logits(tiny_llama, hf_attention, s)[-1] for s in seqs])
+    torch.testing.assert_close(logits, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_cascade_groups_share_the_common_leading_blocks_of_rows_with_the_same_first_block():
+    tables = [[1, 2, 3, 9], [7, 8], [1, 2, 4], [5], [1, 2, 3, 6], [7, 8, 10], [11, 12]]
+    assert cascade_groups(tables) == [([0, 2, 4], 2), ([1, 5], 1), ([3, 6], 0)]
+    # each row keeps at least its own last block; a lone row or a one-block row shares nothing
+    assert cascade_groups([[4, 5], [4, 5]]) == [([0, 1], 1)]
+    assert cascade_groups([[4], [4]]) == [([0, 1], 0)]
+    assert cascade_groups([[4, 5, 6]]) == [([0], 0)]
+
+
+def test_decodes_in_two_prefix_groups_and_a_loner_match_hf(tiny_llama, hf_attention):
+    """Two groups of decodes, each sharing its own prefix blocks, and one sequence sharing nothing,
+    submitted interleaved: each group attends its prefix once, the loner takes the plain path, and
+    every row's logits come back in the caller's order."""
+    prefixes = [random_ids(80, 32), random_ids(81, 48)]
+    prefix_tables = [[4, 9], [13, 2, 20]]
+    runner = make_runner(tiny_llama, num_blocks=40, block_size=16)
+    runner.execute([ScheduledChunk(p, 0, t) for p, t in zip(prefixes, prefix_tables)])
+    free = iter([b for b in range(40) if b not in (4, 9, 13, 2, 20)])
+    seqs, tables = [], []
+    for i, which in enumerate([0, 1, None, 0, 1, 1]):
+        tail = random_ids(90 + i, 5 + 7 * i)
+        seqs.append((prefixes[which] if which is not None else random_ids(99, 20)) + tail)
+        own = [next(free) for _ in range(-(-len(seqs[-1]) // 16) - (0 if which is None else len(prefix_tables[which])))]
+        tables.append((prefix_tables[which] if which is not None else []) + own)
+    runner.execute([ScheduledChunk(s[len(prefixes[w]) if w is not None else 0:-1],
+                                   len(prefixes[w]) if w is not None else 0, t)
+                    for s, t, w in zip(seqs, tables, [0, 1, None, 0, 1, 1])])
     logits = runner.execute([ScheduledChunk([s[-1]], len(s) - 1, t) for s, t in zip(seqs, tables)])
     expected = torch.stack([reference_logits(tiny_llama, hf_attention, s)[-1] for s in seqs])
     torch.testing.assert_close(logits, expected, rtol=1e-5, atol=1e-5)
