@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import math
 import os
 import sys
 from typing import Any
@@ -435,28 +436,29 @@ def _progress(items: list, desc: str, unit: str):
 
 
 # -- argument types ------------------------------------------------------------------------------
-def _int_at_least(minimum: int):
-    def parse(text: str) -> int:
+def number_arg(kind: type, expected: str, *, low: float | None = None, high: float | None = None,
+               above: bool = False):
+    """An argparse ``type``: ``kind(text)``, finite, within ``[low, high]`` (``above``: ``> low``);
+    otherwise the error ``got <value>; expected <expected>`` (argparse prefixes the flag)."""
+    def parse(text: str):
         try:
-            value = int(text)
+            value = kind(text)
         except ValueError:
-            raise argparse.ArgumentTypeError(f"got {text!r}; expected an integer >= {minimum}") from None
-        if value < minimum:
-            raise argparse.ArgumentTypeError(f"got {value}; expected an integer >= {minimum}")
+            raise argparse.ArgumentTypeError(f"got {text!r}; expected {expected}") from None
+        ok = math.isfinite(value) and (high is None or value <= high) and (
+            low is None or (value > low if above else value >= low))
+        if not ok:
+            raise argparse.ArgumentTypeError(f"got {value}; expected {expected}")
         return value
     return parse
+
+
+def _int_at_least(minimum: int):
+    return number_arg(int, f"an integer >= {minimum}", low=minimum)
 
 
 def _float_at_least(minimum: float):
-    def parse(text: str) -> float:
-        try:
-            value = float(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"got {text!r}; expected a number >= {minimum}") from None
-        if not value >= minimum:
-            raise argparse.ArgumentTypeError(f"got {value}; expected a number >= {minimum}")
-        return value
-    return parse
+    return number_arg(float, f"a finite number >= {minimum:g}", low=minimum)
 
 
 if __name__ == "__main__":

@@ -10,7 +10,7 @@ import argparse
 import sys
 from urllib.parse import urlsplit
 
-from corekv.cli import UsageError, _float_at_least, _int_at_least, _load, _parser_kwargs
+from corekv.cli import UsageError, _float_at_least, _int_at_least, _load, _parser_kwargs, number_arg
 
 DEFAULT_PORT = 8080
 
@@ -76,8 +76,6 @@ def cmd_route(args: argparse.Namespace) -> int:
     duplicates = sorted({u for u in urls if urls.count(u) > 1})
     if duplicates:
         raise UsageError(f"--workers: got {', '.join(duplicates)} more than once; name each worker once")
-    if args.balance_rel_threshold == float("inf"):
-        raise UsageError("--balance-rel-threshold: got inf; expected a finite number >= 1")
     cfg = _load(args)
     tokenizer = load_tokenizer(cfg.model, plugin_manager=make_plugin_manager(cfg.plugins))
     policy = make_policy(args.policy, CacheAwareConfig(
@@ -106,31 +104,6 @@ def _worker_url(text: str) -> str:
     return f"{parts.scheme}://{parts.netloc}"
 
 
-def _port(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"got {text!r}; expected a port number 1-65535") from None
-    if not 1 <= value <= 65535:
-        raise argparse.ArgumentTypeError(f"got {value}; expected a port number 1-65535")
-    return value
-
-
-def _fraction(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"got {text!r}; expected a number in [0, 1]") from None
-    if not 0.0 <= value <= 1.0:
-        raise argparse.ArgumentTypeError(f"got {value}; expected a number in [0, 1]")
-    return value
-
-
-def _positive_seconds(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"got {text!r}; expected seconds > 0") from None
-    if not 0.0 < value < float("inf"):
-        raise argparse.ArgumentTypeError(f"got {value}; expected seconds > 0 (finite)")
-    return value
+_port = number_arg(int, "a port number 1-65535", low=1, high=65535)
+_fraction = number_arg(float, "a number in [0, 1]", low=0.0, high=1.0)
+_positive_seconds = number_arg(float, "seconds > 0", low=0.0, above=True)

@@ -6,9 +6,8 @@ about one thing; it reuses the CLI's parser class, usage errors and argument typ
 from __future__ import annotations
 
 import argparse
-import math
 
-from corekv.cli import UsageError, _load, _parser_kwargs
+from corekv.cli import UsageError, _load, _parser_kwargs, number_arg
 
 
 def add_serve_command(commands, common) -> None:
@@ -55,24 +54,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 # -- argument types ------------------------------------------------------------------------------
-def _port(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"got {text!r}; expected an integer port in 0..65535") from None
-    if not 0 <= value <= 65535:
-        raise argparse.ArgumentTypeError(f"got {value}; expected an integer port in 0..65535")
-    return value
-
-
-def _seconds(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"got {text!r}; expected a number of seconds >= 0") from None
-    if not math.isfinite(value) or value < 0:
-        raise argparse.ArgumentTypeError(f"got {text!r}; expected a finite number of seconds >= 0")
-    return value
+_port = number_arg(int, "an integer port in 0..65535", low=0, high=65535)
+_seconds = number_arg(float, "a finite number of seconds >= 0", low=0.0)
 
 
 def _non_empty(text: str) -> str:

@@ -106,7 +106,7 @@ def test_a_broken_plugin_is_a_runtime_error_naming_it(tmp_path):
     (["generate", "--prompt", "x", "--max-tokens", "0"],
      "argument --max-tokens: got 0; expected an integer >= 1 (see 'corekv generate --help')"),
     (["generate", "--prompt", "x", "--temperature", "-1"],
-     "argument --temperature: got -1.0; expected a number >= 0.0 (see 'corekv generate --help')"),
+     "argument --temperature: got -1.0; expected a finite number >= 0 (see 'corekv generate --help')"),
     (["bench"], "the following arguments are required: BENCHMARK (see 'corekv bench --help')"),
     (["bench", "hit-rate", "--workloads", "multi_turn,paralel"],
      "--workloads: got 'paralel'; expected a comma-separated list of shared_system, multi_turn, "

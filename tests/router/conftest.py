@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 import yaml
-from router_helpers import (BLOCK_SIZE, NUM_BLOCKS, NUM_WORKERS, STARTUP_TIMEOUT_S, RouterThread,
-                            WorkerProcess, free_port, wait_until)
+from router_helpers import (BLOCK_SIZE, NUM_BLOCKS, NUM_WORKERS, RouterThread, WorkerProcess,
+                            free_port, running)
 
 
 @pytest.fixture(scope="session")
@@ -22,15 +22,8 @@ def workers(tiny_model_folder, tmp_path_factory):
         path = folder / f"worker{i}.yaml"
         path.write_text(yaml.safe_dump(config))
         procs.append(WorkerProcess(path, free_port(), folder / f"worker{i}.log"))
-    try:
-        for proc in procs:
-            proc.start()
-        for proc in procs:
-            wait_until(proc.is_ready, STARTUP_TIMEOUT_S, f"worker {proc.url} to be healthy", 0.2)
+    with running(procs):
         yield procs
-    finally:
-        for proc in procs:
-            proc.stop()
 
 
 @pytest.fixture(scope="session")

@@ -1,6 +1,7 @@
 """Helpers of the router tests: worker subprocesses, a router on a thread, ports and waiting."""
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
@@ -75,6 +76,20 @@ class WorkerProcess:
                 self.process.wait(timeout=30)
             except subprocess.TimeoutExpired:
                 self.kill()
+
+
+@contextlib.contextmanager
+def running(procs: list[WorkerProcess]):
+    """Start every worker, wait until all are healthy, and stop them all on the way out."""
+    try:
+        for proc in procs:
+            proc.start()
+        for proc in procs:
+            wait_until(proc.is_ready, STARTUP_TIMEOUT_S, f"worker {proc.url} to be healthy", 0.2)
+        yield procs
+    finally:
+        for proc in procs:
+            proc.stop()
 
 
 class RouterThread:

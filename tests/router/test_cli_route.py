@@ -19,7 +19,7 @@ WORKERS = ["--workers", "http://127.0.0.1:8001", "http://127.0.0.1:8002"]
     (["--cache-threshold", "1.5"], "--cache-threshold: got 1.5; expected a number in [0, 1]"),
     (["--cache-threshold", "half"], "--cache-threshold: got 'half'; expected a number in [0, 1]"),
     (["--balance-abs-threshold", "-1"], "--balance-abs-threshold: got -1; expected an integer >= 0"),
-    (["--balance-rel-threshold", "0.5"], "--balance-rel-threshold: got 0.5; expected a number >= 1"),
+    (["--balance-rel-threshold", "0.5"], "--balance-rel-threshold: got 0.5; expected a finite number >= 1"),
     (["--balance-rel-threshold", "inf"], "--balance-rel-threshold: got inf; expected a finite"),
     (["--health-interval", "0"], "--health-interval: got 0.0; expected seconds > 0"),
     (["--max-retries", "-1"], "--max-retries: got -1; expected an integer >= 0"),

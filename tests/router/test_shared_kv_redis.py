@@ -15,7 +15,7 @@ import openai
 import pytest
 import yaml
 from redis_server import RedisServer
-from router_helpers import BLOCK_SIZE, STARTUP_TIMEOUT_S, WorkerProcess, free_port, wait_until
+from router_helpers import BLOCK_SIZE, WorkerProcess, free_port, running, wait_until
 
 NUM_BLOCKS = 64
 PROMPT = ("Shared system prompt for every tenant of this deployment: answer briefly. " * 2
@@ -60,15 +60,8 @@ def two_workers(tiny_model_folder, tmp_path_factory, redis):
     path = tmp_path / "worker.yaml"
     path.write_text(yaml.safe_dump(config))
     procs = [WorkerProcess(path, free_port(), tmp_path / f"worker{i}.log") for i in range(2)]
-    try:
-        for proc in procs:
-            proc.start()
-        for proc in procs:
-            wait_until(proc.is_ready, STARTUP_TIMEOUT_S, f"worker {proc.url} to be healthy", 0.2)
+    with running(procs):
         yield procs
-    finally:
-        for proc in procs:
-            proc.stop()
 
 
 def _wait_offloaded(worker: WorkerProcess, at_least: int) -> None:
