@@ -1,6 +1,6 @@
 """Issue 4: multi-turn conversations under memory pressure, with no tiers, a host tier, host + LMDB.
 
-    python benchmarks/memory_pressure.py --scale 0.25 --repeats 3 --threads 2 --markdown
+    python benchmarks/memory_pressure.py --scale 0.25 --repeats 3 --threads 1 --markdown
 
 The seed's multi-turn workload (prefix-cache-hash-blocks-and-radix-tree.md): 20 conversations x 8
 turns; each conversation starts from a 300-token history, each turn appends a user message

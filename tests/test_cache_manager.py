@@ -394,3 +394,17 @@ def test_prefetch_stages_at_most_its_bound_and_loads_the_rest_synchronously(tmp_
             assert "prefetch_blocks" in str(e)
         else:
             raise AssertionError(f"prefetch_blocks={bad!r} was accepted")
+
+
+def test_pool_io_row_copies_match_the_pools_own_block_moves():
+    import pytest
+
+    from corekv.pool_io import snapshot_blocks, write_rows
+
+    pool = make_pool(8)
+    snapshot = snapshot_blocks(pool, [5, 1, 3])
+    assert torch.equal(snapshot, pool.read_blocks([5, 1, 3]).view(torch.uint8).reshape(3, -1))
+    write_rows(pool, [0, 2, 4], snapshot)
+    assert torch.equal(pool.read_blocks([0, 2, 4]), pool.read_blocks([5, 1, 3]))
+    with pytest.raises(ValueError, match="rows must be uint8"):
+        write_rows(pool, [0, 2], snapshot)
