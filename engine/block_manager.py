@@ -15,6 +15,7 @@ import hashlib
 from collections import Counter
 
 from corekv.backend import PrefixCacheBackend
+from corekv.prefetch import Prefetch
 from corekv.engine.sequence import Sequence, SwapState
 
 __all__ = ["BlockManager"]
@@ -54,7 +55,7 @@ class BlockManager:
         self.swap_tier = swap_tier
         self.shared_refs: Counter[int] = Counter()
         #: waiting sequences' prefetches, consumed at admission or dropped when they finish waiting
-        self.prefetches: dict[Sequence, object] = {}
+        self.prefetches: dict[Sequence, Prefetch] = {}
         self.num_cow_copies = 0
         self.num_swapped_out_blocks = 0
         self.num_swapped_in_blocks = 0
