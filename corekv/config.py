@@ -89,6 +89,9 @@ class CacheConfig:
                                    minimum=0)
     offload_queue_blocks: int = _field(256, "most blocks waiting for the background tier writer; "
                                        "past it offloads are skipped and counted", minimum=1)
+    prefetch_blocks: int | None = _field(None, "most blocks read ahead from the tiers into host "
+                                         "staging when requests arrive (unset: the device pool's "
+                                         "size; 0 turns prefetch off)", minimum=0)
     pinned: tuple[PinnedPrefix, ...] = _field((), "prefixes warmed and pinned when an engine starts")
     tiers: tuple[TierConfig, ...] = _field((), "storage tiers below the device pool, searched in order")
 

@@ -323,6 +323,7 @@ class Engine:
             "num_swapped_in_blocks": self.blocks.num_swapped_in_blocks,
             "backend": backend.stats(),
             "tiers": self.cache_manager.stats() if self.cache_manager is not None else {},
+            "prefetch": self.cache_manager.prefetch_stats() if self.cache_manager is not None else {},
         }
 
     # -- helpers -----------------------------------------------------------------------------

@@ -51,12 +51,10 @@ def make_cache_manager(cache: CacheConfig, plugin_manager, model, kv_pool, backe
         for tier in tiers:
             tier.close()
         raise
-    # NOTE: getattr: ``cache.prefetch_blocks`` (0 turns prefetch off) is read when the config
-    # carries it; without it the staging bound is the device pool's size.
     manager = CacheManager(tiers, kv_pool, write_policy=cache.write_policy,
                            offload_min_hits=cache.offload_min_hits,
                            queue_blocks=cache.offload_queue_blocks, hooks=plugin_manager.hook,
-                           prefetch_blocks=getattr(cache, "prefetch_blocks", None))
+                           prefetch_blocks=cache.prefetch_blocks)
     try:
         backend.on_evict = manager.on_evict
     except ValueError as e:

@@ -8,7 +8,8 @@ from concurrent.futures import wait
 import torch
 
 from corekv.engine.sampling import SamplingParams
-from tier_helpers import BLOCK, GREEDY, PROMPT, LogitsProbe, evict, make_engine, tier_config
+from corekv.engine.llm_engine import Engine
+from tier_helpers import BLOCK, GREEDY, PROMPT, LogitsProbe, evict, make_config, make_engine, tier_config
 
 
 def device_hit(tiny_llama):
@@ -114,3 +115,23 @@ def test_a_waiting_request_prefetches_while_another_runs(tiny_llama, tmp_path):
     assert stats["ready"] == 1 and stats["used_blocks"] == 4
     with make_engine(tiny_llama, num_blocks=16) as plain:
         assert plain.generate(PROMPT, GREEDY)[0].token_ids == outputs["B"].token_ids
+
+
+def test_prefetch_blocks_zero_turns_prefetch_off_and_stats_report_it(tiny_llama, tmp_path):
+    """cache.prefetch_blocks: 0 -> admission loads synchronously; engine.stats()["prefetch"]."""
+    import dataclasses
+
+    reference, _ = device_hit(tiny_llama)
+    config = make_config([tier_config("lmdb", tmp_path)])
+    config = dataclasses.replace(config, cache=dataclasses.replace(config.cache, prefetch_blocks=0))
+    with Engine(config, model=tiny_llama) as engine:
+        engine.generate(PROMPT, GREEDY)
+        evict(engine)
+        engine.add_request(PROMPT, GREEDY)
+        assert engine.blocks.prefetches == {}  # nothing read ahead
+        [output] = run_to_end(engine)
+        stats = engine.stats()
+    assert output.cached_tokens_by_tier == {"device": 0, "lmdb": 4 * BLOCK}
+    assert output.token_ids == reference.token_ids
+    assert stats["prefetch"] == {}  # no prefetcher at all
+    assert stats["tiers"]["lmdb"]["reloads"] == 4 and stats["tiers"]["lmdb"]["prefetched_blocks"] == 0
