@@ -143,7 +143,8 @@ def run_policy(policy: str, model: str, opts: argparse.Namespace, folder: Path) 
     for i in range(opts.workers):
         config = {"model": model, "device": opts.device, "dtype": "float32",
                   "engine": {"block_size": 16, "num_blocks": opts.num_blocks},
-                  "kv_events": {"enabled": True, "endpoint": f"tcp://127.0.0.1:{free_port()}"}}
+                  # port 0: the publisher binds a free port and /admin/info announces it
+                  "kv_events": {"enabled": True, "endpoint": "tcp://127.0.0.1:0"}}
         path = folder / f"{policy}-worker{i}.yaml"
         path.write_text(yaml.safe_dump(config))
         port = free_port()
