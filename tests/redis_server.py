@@ -13,6 +13,7 @@ import subprocess
 import time
 
 import pytest
+from processes import free_port
 
 REDIS_SERVER = shutil.which("redis-server")
 
@@ -24,12 +25,6 @@ def require_redis_server() -> str:
                         "(apt-get install -y redis-server)")
         pytest.skip("redis-server is not installed (apt-get install -y redis-server)")
     return REDIS_SERVER
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class RedisServer:

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 import yaml
-from router_helpers import (BLOCK_SIZE, NUM_BLOCKS, NUM_WORKERS, RouterThread, WorkerProcess,
-                            free_port, running)
+from processes import ServeProcess, free_port, running
+from router_helpers import BLOCK_SIZE, NUM_BLOCKS, NUM_WORKERS, RouterThread
 
 
 @pytest.fixture(scope="session")
@@ -21,7 +21,7 @@ def workers(tiny_model_folder, tmp_path_factory):
                                 "replay_endpoint": f"tcp://127.0.0.1:{free_port()}"}}
         path = folder / f"worker{i}.yaml"
         path.write_text(yaml.safe_dump(config))
-        procs.append(WorkerProcess(path, free_port(), folder / f"worker{i}.log"))
+        procs.append(ServeProcess(path, free_port(), folder / f"worker{i}.log", "--log-level", "warning"))
     with running(procs):
         yield procs
 

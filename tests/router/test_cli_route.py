@@ -8,7 +8,7 @@ import sys
 
 import httpx
 import pytest
-from router_helpers import free_port, wait_until
+from processes import free_port, wait_until
 
 from corekv.cli import main
 

@@ -10,7 +10,8 @@ import httpx
 import openai
 import pytest
 
-from router_helpers import BLOCK_SIZE, NUM_BLOCKS, free_port, wait_until
+from processes import free_port, wait_until
+from router_helpers import BLOCK_SIZE, NUM_BLOCKS
 
 from corekv.router.app import prompt_token_ids
 

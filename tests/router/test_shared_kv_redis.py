@@ -15,24 +15,25 @@ import openai
 import pytest
 import yaml
 from redis_server import RedisServer
-from router_helpers import BLOCK_SIZE, WorkerProcess, free_port, running, wait_until
+from processes import ServeProcess, free_port, running, wait_until
+from router_helpers import BLOCK_SIZE
 
 NUM_BLOCKS = 64
 PROMPT = ("Shared system prompt for every tenant of this deployment: answer briefly. " * 2
           + "Question one?")
 
 
-def _client(worker: WorkerProcess) -> openai.OpenAI:
+def _client(worker: ServeProcess) -> openai.OpenAI:
     return openai.OpenAI(base_url=worker.url + "/v1", api_key="unused", max_retries=0, timeout=120)
 
 
-def _complete(worker: WorkerProcess, prompt: str):
+def _complete(worker: ServeProcess, prompt: str):
     client = _client(worker)
     model = client.models.list().data[0].id  # the served model id (the config's model path)
     return client.completions.create(model=model, prompt=prompt, max_tokens=4, temperature=0.0)
 
 
-def _redis_stats(worker: WorkerProcess) -> dict:
+def _redis_stats(worker: ServeProcess) -> dict:
     return httpx.get(worker.url + "/admin/stats", timeout=10).json()["tiers"]["redis"]
 
 
@@ -59,12 +60,13 @@ def two_workers(tiny_model_folder, tmp_path_factory, redis):
                                    "socket_timeout": 0.5}]}}
     path = tmp_path / "worker.yaml"
     path.write_text(yaml.safe_dump(config))
-    procs = [WorkerProcess(path, free_port(), tmp_path / f"worker{i}.log") for i in range(2)]
+    procs = [ServeProcess(path, free_port(), tmp_path / f"worker{i}.log", "--log-level", "warning")
+             for i in range(2)]
     with running(procs):
         yield procs
 
 
-def _wait_offloaded(worker: WorkerProcess, at_least: int) -> None:
+def _wait_offloaded(worker: ServeProcess, at_least: int) -> None:
     wait_until(lambda: _redis_stats(worker)["offloaded_blocks"] >= at_least, 60,
                f"{at_least} blocks written to redis by {worker.url}", 0.1)
 

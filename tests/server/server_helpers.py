@@ -1,20 +1,12 @@
 """Helpers shared by the server tests: the tiny model's config, a plugin that records finished
-requests, SSE reading, and running a ``corekv serve`` subprocess."""
+requests, and SSE reading (``corekv serve`` subprocesses: tests/processes.py)."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
-import time
-from pathlib import Path
-
-import httpx
 
 from corekv.plugin import hookimpl
 
 MODEL_ID = "tiny"
-SCRIPT = Path(sys.executable).with_name("corekv")
 
 
 def tiny_config(folder, **engine) -> dict:
@@ -47,44 +39,3 @@ def sse_payloads(lines) -> list:
         payloads.append(json.loads(line[len("data: "):]))
     assert done, "the stream did not end with data: [DONE]"
     return payloads
-
-
-def wait_until(predicate, timeout: float = 30.0, what: str = "a condition"):
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
-        time.sleep(0.02)
-
-
-class ServeProcess:
-    """``corekv serve`` as a user runs it (the console script), on a free loopback port."""
-
-    def __init__(self, config_path, port: int, *args: str):
-        self.url = f"http://127.0.0.1:{port}"
-        env = {**os.environ, "TQDM_DISABLE": "1"}
-        self.process = subprocess.Popen(
-            [str(SCRIPT), "serve", "--config", str(config_path), "--port", str(port),
-             "--served-model-name", MODEL_ID, *args],
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
-
-    def wait_ready(self, timeout: float = 120.0) -> ServeProcess:
-        def ready():
-            if self.process.poll() is not None:
-                raise AssertionError(f"corekv serve exited with {self.process.returncode}:\n"
-                                     f"{self.process.stdout.read()}")
-            try:
-                return httpx.get(self.url + "/health", timeout=1).status_code == 200
-            except httpx.TransportError:
-                return False
-        wait_until(ready, timeout, "corekv serve to answer /health")
-        return self
-
-    def stop(self) -> str:
-        if self.process.poll() is None:
-            self.process.kill()
-        out, _ = self.process.communicate(timeout=60)
-        return out

@@ -9,7 +9,8 @@ import socket
 import httpx
 import pytest
 import yaml
-from server_helpers import MODEL_ID, ServeProcess, tiny_config, wait_until
+from processes import ServeProcess, free_port, wait_until
+from server_helpers import MODEL_ID, tiny_config
 
 from corekv.cli import main
 from corekv.engine.llm_engine import Engine
@@ -25,12 +26,6 @@ def lmdb_config(tiny_model_folder, tmp_path):
     path = tmp_path / "cache.yaml"
     path.write_text(yaml.safe_dump(config))
     return path
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.mark.parametrize("args, words", [
@@ -55,9 +50,10 @@ def test_a_taken_port_exits_1_before_loading_the_model(capsys, lmdb_config):
     assert f"127.0.0.1:{port}" in err and "--port" in err
 
 
-def test_sigterm_drains_the_request_in_flight_then_flushes_to_lmdb(lmdb_config):
+def test_sigterm_drains_the_request_in_flight_then_flushes_to_lmdb(lmdb_config, tmp_path):
     """~9 s: a real ``corekv serve`` process (importing torch and transformers takes ~5 s here)."""
-    server = ServeProcess(lmdb_config, free_port(), "--drain-timeout", "60").wait_ready()
+    server = ServeProcess(lmdb_config, free_port(), tmp_path / "serve.log", "--served-model-name", MODEL_ID,
+                          "--drain-timeout", "60").start().wait_ready()
     try:
         body = {"model": MODEL_ID, "prompt": PROMPT, "max_tokens": 300, "stream": True,
                 "temperature": 0.0, "ignore_eos": True, "stream_options": {"include_usage": True}}
@@ -79,7 +75,8 @@ def test_sigterm_drains_the_request_in_flight_then_flushes_to_lmdb(lmdb_config):
         assert usage["completion_tokens"] == 300, [first, *rest[-3:]]
         assert server.process.wait(timeout=120) == 0
     finally:
-        log = server.stop()
+        server.stop()
+    log = server.output()
     assert "Waiting for connections to close" in log, log  # NOTE: SIGTERM came mid-request
     with Engine.from_config(str(lmdb_config)) as engine:
         out = engine.generate(PROMPT, SamplingParams(max_tokens=1, temperature=0.0))[0]

@@ -8,7 +8,8 @@ import threading
 
 import httpx
 import pytest
-from server_helpers import MODEL_ID, FinishedRecorder, tiny_config, wait_until
+from processes import wait_until
+from server_helpers import MODEL_ID, FinishedRecorder, tiny_config
 
 from corekv.engine.llm_engine import Engine
 from corekv.server import BackgroundServer, build_app
