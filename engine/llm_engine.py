@@ -2,8 +2,9 @@
 
 ``step()`` is the whole loop: the scheduler picks this step's tokens, the model runner runs them in
 one forward, the sampler picks next tokens, the scheduler appends them and retires finished
-sequences. Everything else here is the public surface around it: building the parts from a config,
-``generate`` / ``stream`` / ``text_stream`` / ``warm`` / ``unpin``, plugin hooks and ``stats``.
+sequences. Around it: building the parts from a config, ``add_request`` / ``abort``, plugin hooks
+and ``stats``; ``generate`` / ``stream`` / ``text_stream`` / ``warm`` / ``unpin`` are built on these
+in :mod:`corekv.engine.engine_api`.
 """
 from __future__ import annotations
 
@@ -11,8 +12,7 @@ import difflib
 import itertools
 import logging
 import os
-import sys
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 from corekv.config import Config
@@ -20,6 +20,7 @@ from corekv.errors import ConfigError, CoreKVError
 from corekv.hashing import PrefixKey, chain_seed
 from corekv.plugin import make_plugin_manager
 from corekv.engine.block_manager import BlockManager
+from corekv.engine.engine_api import EngineAPI
 from corekv.engine.detokenizer import IncrementalDetokenizer
 from corekv.engine.kv_pool import KVPool
 from corekv.engine.model_runner import ModelRunner, ScheduledChunk
@@ -28,17 +29,15 @@ from corekv.engine.outputs import RequestOutput
 from corekv.engine.sampling import Sampler, SamplingParams, make_generator
 from corekv.engine.scheduler import ScheduledSeq, Scheduler
 from corekv.engine.sequence import Sequence
-from corekv.engine.streaming import TextStream
 from corekv.engine.tiering import make_cache_manager
-from corekv.engine.requests import (Request, RequestRejectedError, as_prompt_list, check_request_fits,
-                                    make_output, per_prompt)
+from corekv.engine.requests import Request, RequestRejectedError, check_request_fits, make_output
 
 __all__ = ["Engine", "RequestRejectedError"]
 
 logger = logging.getLogger(__name__)
 
 
-class Engine:
+class Engine(EngineAPI):
     """A paged-KV, continuously batching engine over one Hugging Face model.
 
     Invariants: the KV pool, the backend and the block tables agree (a block is in at most one
@@ -193,109 +192,6 @@ class Engine:
         for seq in request.seqs:
             self.scheduler.abort(seq)
 
-    # -- the public surface ------------------------------------------------------------------
-    def generate(self, prompts: Any, sampling_params: SamplingParams | list | None = None,
-                 cache_salt: str | list | None = None, *, use_tqdm: bool | None = None,
-                 offload: bool | list = True) -> list[RequestOutput]:
-        """Run prompts to completion, batched; returns one :class:`RequestOutput` per prompt, in order.
-
-        :param prompts: a str, token ids (``list[int]``), chat messages (``[{"role", "content"}]``,
-            rendered with the chat template and the assistant prompt), or a list of those.
-        :param sampling_params: one :class:`SamplingParams` for all prompts, or one per prompt;
-            ``None`` is ``SamplingParams()``. With ``n > 1`` a prompt's completions are in
-            ``output.outputs`` (``output.text`` is completion 0's).
-        :param cache_salt: the tenant's salt (prefixes are shared only within one salt), one for
-            all prompts or one per prompt.
-        :param use_tqdm: show a progress bar; default: only when stderr is a terminal.
-        :param offload: False keeps the prompts' blocks off the storage tiers (per-request
-            opt-out; they still reload what the tiers hold); one bool for all or one per prompt.
-        """
-        prompt_list = as_prompt_list(prompts)
-        params_list = per_prompt("sampling_params", sampling_params, len(prompt_list), SamplingParams)
-        salts = per_prompt("cache_salt", cache_salt, len(prompt_list), str)
-        offloads = per_prompt("offload", offload, len(prompt_list), bool)
-        # NOTE: every prompt is checked before any is queued, so a bad one leaves the engine idle.
-        requests = [self._make_request(p, sp, salt, None, offload=o)
-                    for p, sp, salt, o in zip(prompt_list, params_list, salts, offloads)]
-        for request, salt in zip(requests, salts):
-            self._enqueue(request, salt)
-        outputs: dict[str, RequestOutput] = {}
-        wanted = {r.request_id for r in requests}
-        bar = _progress_bar(len(requests), use_tqdm)
-        try:
-            while len(outputs) < len(requests):
-                for output in self._step():
-                    if output.request_id in wanted:
-                        outputs[output.request_id] = output
-                        bar.update(1)
-                    else:
-                        self._unclaimed.append(output)
-        finally:
-            bar.close()
-            for request in requests:
-                if request.request_id not in outputs and request.request_id in self._requests:
-                    self.abort(request.request_id)
-        return [outputs[r.request_id] for r in requests]
-
-    def stream(self, prompt: Any, sampling_params: SamplingParams | None = None,
-               cache_salt: str | None = None) -> Iterator[str]:
-        """Generate for one prompt, yielding text deltas as they are produced (``n`` must be 1).
-
-        With stop strings, up to ``len(longest stop) - 1`` characters are held back until they
-        cannot start a stop string, so no text past a stop is ever yielded.
-        """
-        request = self._make_request(prompt, sampling_params, cache_salt, None)
-        if request.params.n != 1:
-            raise ValueError(f"stream() yields one completion; got SamplingParams.n={request.params.n}; "
-                             "use generate() for n > 1")
-        self._enqueue(request, cache_salt)
-        text = TextStream(request)
-        try:
-            while not text.is_finished:
-                self._unclaimed.extend(o for o in self._step() if o.request_id != request.request_id)
-                for _index, delta in text.deltas():
-                    yield delta
-        finally:
-            if not text.is_finished:
-                self.abort(request.request_id)
-
-    def text_stream(self, request_id: str) -> TextStream:
-        """A :class:`TextStream` of an in-flight request (from ``add_request``): call its
-        ``deltas()`` after each ``step()`` to stream the request's text, stop strings held back."""
-        request = self._requests.get(request_id)
-        if request is None:
-            raise KeyError(f"text_stream: no request {request_id!r} is in flight; pass the id "
-                           "add_request returned, before step() returns its output")
-        return TextStream(request)
-
-    def warm(self, prompt: Any, pin: bool = True, cache_salt: str | None = None) -> int:
-        """Compute ``prompt``'s KV and keep its full blocks cached (and pinned when ``pin``).
-
-        Chat messages are rendered without the assistant prompt, as the prefix of a later
-        conversation. Returns the number of prompt tokens now cached (pinned, when ``pin``).
-        :raises PinLimitError: if pinning would exceed ``cache.max_pinned_fraction`` of the pool.
-        """
-        if not self.config.engine.enable_prefix_caching:
-            raise CoreKVError("warm() needs engine.enable_prefix_caching: true (nothing is kept otherwise)")
-        if not isinstance(pin, bool):
-            raise TypeError(f"warm(pin=...) must be True or False, got {pin!r}")
-        token_ids = self.encode(prompt, add_generation_prompt=False)
-        request = self._make_request(prompt, SamplingParams(max_tokens=1, temperature=0.0), cache_salt,
-                                     None, prompt_token_ids=token_ids)
-        request.is_internal = True
-        self._enqueue(request, cache_salt)
-        while not request.seqs[0].is_finished:
-            self._unclaimed.extend(self._step())
-        key = self.prefix_key(token_ids, cache_salt)
-        num_blocks = self.backend.pin(key) if pin else len(self.backend.match(key))
-        self._after_step([])  # publish the pin's events, if any
-        return num_blocks * self.block_size
-
-    def unpin(self, prompt: Any, cache_salt: str | None = None) -> int:
-        """Undo one ``warm(prompt, pin=True, cache_salt)``; returns the number of tokens unpinned."""
-        token_ids = self.encode(prompt, add_generation_prompt=False)
-        return self.backend.unpin(self.prefix_key(token_ids, cache_salt)) * self.block_size
-
     def stats(self) -> dict[str, Any]:
         """Counters since the engine started (see the keys; ``tiers`` is per storage tier)."""
         sched, backend = self.scheduler, self.backend
@@ -446,21 +342,3 @@ class Engine:
                 hook.corekv_on_request_finished(output=output)
                 outputs.append(output)
         return outputs
-
-
-class _NoBar:
-    def update(self, n: int) -> None:
-        pass
-
-    def close(self) -> None:
-        pass
-
-
-def _progress_bar(total: int, use_tqdm: bool | None):
-    if use_tqdm is None:
-        use_tqdm = sys.stderr.isatty()
-    if not use_tqdm:
-        return _NoBar()
-    from tqdm import tqdm
-
-    return tqdm(total=total, desc="generate", unit="req", file=sys.stderr)
