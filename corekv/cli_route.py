@@ -11,6 +11,7 @@ import sys
 from urllib.parse import urlsplit
 
 from corekv.cli import UsageError, _float_at_least, _int_at_least, _load, _parser_kwargs, number_arg
+from corekv.router.policy import POLICY_NAMES
 
 DEFAULT_PORT = 8080
 
@@ -38,7 +39,7 @@ def add_route_command(commands, common) -> None:
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)")
     p.add_argument("--port", metavar="P", type=_port, default=DEFAULT_PORT,
                    help=f"port to listen on (default: {DEFAULT_PORT})")
-    p.add_argument("--policy", choices=("cache_aware", "round_robin"), default="cache_aware",
+    p.add_argument("--policy", choices=POLICY_NAMES, default="cache_aware",
                    help="cache_aware (default) or round_robin (the cache-blind baseline)")
     p.add_argument("--cache-threshold", metavar="F", type=_fraction, default=0.3,
                    help="follow the longest cached prefix when it covers at least this fraction "

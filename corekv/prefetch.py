@@ -62,6 +62,9 @@ class Prefetch:
     #: set by admission: block index -> the pool block it goes to (None: not wanted there)
     handoff: Callable[[int], int | None] | None = None
     is_released: bool = False
+    #: staging rows counted against the prefetcher's bound (given back by ``release``, even when
+    #: allocating them failed)
+    num_reserved: int = 0
     lock: threading.Lock = field(default_factory=threading.Lock)
     #: ``time.perf_counter()`` when the request arrived and the job was queued
     started_at: float = field(default_factory=time.perf_counter)
@@ -70,10 +73,6 @@ class Prefetch:
     def num_staged(self) -> int:
         """Blocks fetched (into staging or, after the handoff, straight into the pool)."""
         return sum(run.num_blocks for run in self.runs)
-
-    @property
-    def num_staging_rows(self) -> int:
-        return 0 if self.staging is None else self.staging.shape[0]
 
     def add(self, tier_index: int, num_blocks: int, is_direct: bool) -> None:
         """The job fetched ``num_blocks`` more blocks (merged into the last run when alike)."""
@@ -156,7 +155,7 @@ class Prefetcher:
             if prefetch.is_released:
                 return
             prefetch.is_released = True
-            self.num_staged_blocks -= prefetch.num_staging_rows
+            self.num_staged_blocks -= prefetch.num_reserved
             self.counters["used_blocks"] += num_used
             self.counters["dropped_blocks"] += prefetch.num_staged - num_used
         prefetch.staging = None
@@ -196,6 +195,7 @@ class Prefetcher:
             # NOTE: one worker thread, so the room read above can only have grown meanwhile.
             with self._lock:
                 self.num_staged_blocks += num_rows
+                prefetch.num_reserved += num_rows
 
         try:
             self._stage(prefetch, room, reserve)

@@ -132,21 +132,24 @@ class Engine(EngineAPI):
             self.abort(request_id)
         self._is_closed = True
         manager = self.cache_manager
-        if manager is not None:
-            try:
-                persistent = [t for t in manager.tiers if t.is_persistent]
-                if persistent:
-                    cached = [(h, b) for b in range(self.backend.num_blocks)
-                              if (h := self.backend.block_hash(b)) is not None]
-                    manager.flush(cached, tiers=persistent)
-                else:
-                    manager.flush()
-            finally:
-                self.backend.on_evict = None
-                manager.close()
-        self.plugin_manager.hook.corekv_on_engine_closed(engine=self)
-        self._requests.clear()
-        self.runner = self.kv_pool = self.blocks.kv_pool = None
+        try:
+            if manager is not None:
+                try:
+                    persistent = [t for t in manager.tiers if t.is_persistent]
+                    if persistent:
+                        cached = [(h, b) for b in range(self.backend.num_blocks)
+                                  if (h := self.backend.block_hash(b)) is not None]
+                        manager.flush(cached, tiers=persistent)
+                    else:
+                        manager.flush()
+                finally:
+                    self.backend.on_evict = None
+                    manager.close()
+        finally:
+            # NOTE: plugins release their sockets and servers even when the tiers failed to close
+            self.plugin_manager.hook.corekv_on_engine_closed(engine=self)
+            self._requests.clear()
+            self.runner = self.kv_pool = self.blocks.kv_pool = None
 
     # -- the loop ----------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:

@@ -183,7 +183,7 @@ class Scheduler:
 
     def _in_flight_blocks(self) -> set:
         """Hashes of the full prompt blocks that running prefills have yet to compute."""
-        if not self.blocks.enable_prefix_caching:
+        if not self.waiting or not self.blocks.enable_prefix_caching:  # NOTE: nobody to hold back
             return set()
         return {h for seq in self.running if seq.num_uncomputed_tokens > 1
                 for h in self._uncomputed_prompt_blocks(seq)}

@@ -13,6 +13,7 @@ stream has not yet reached the client. Other answers (a worker's 4xx included) p
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 from collections.abc import AsyncIterator, Hashable
@@ -114,41 +115,51 @@ class _Router:
                 break
             tried.add(worker.index)
             ticket = worker.begin(token_ids, salt)
+            upstream: httpx.Response | None = None
             try:
-                upstream = await self.client.send(
-                    self.client.build_request(method, worker.url + path, content=body,
-                                              headers=headers), stream=True)
-            except httpx.HTTPError as e:
-                self._failed(worker, ticket, failures, e)
-                continue
-            out_headers = {k: v for k, v in upstream.headers.items()
-                           if k.lower() not in _DROPPED_HEADERS}
-            if upstream.status_code in RETRY_STATUSES:
                 try:
-                    busy_answer = Response(await upstream.aread(), status_code=upstream.status_code,
-                                           headers=out_headers)
-                except httpx.HTTPError:
-                    pass
-                await upstream.aclose()
+                    upstream = await self.client.send(
+                        self.client.build_request(method, worker.url + path, content=body,
+                                                  headers=headers), stream=True)
+                except httpx.HTTPError as e:
+                    self._failed(worker, ticket, failures, e)
+                    continue
+                out_headers = {k: v for k, v in upstream.headers.items()
+                               if k.lower() not in _DROPPED_HEADERS}
+                if upstream.status_code in RETRY_STATUSES:
+                    try:
+                        busy_answer = Response(await upstream.aread(), status_code=upstream.status_code,
+                                               headers=out_headers)
+                    except httpx.HTTPError:
+                        pass
+                    await upstream.aclose()
+                    worker.finish(ticket)
+                    failures.append(f"{worker.url}: HTTP {upstream.status_code}")
+                    continue
+                chunks = upstream.aiter_bytes()
+                try:
+                    # NOTE: read the whole body, or a stream up to its first token, before answering:
+                    # until the client has a byte, a dead worker can still be replaced.
+                    first = (await upstream.aread()) if not stream else await _opening(chunks)
+                except httpx.HTTPError as e:
+                    await upstream.aclose()
+                    self._failed(worker, ticket, failures, e)
+                    continue
+                if not stream:
+                    await upstream.aclose()
+                    worker.finish(ticket)
+                    return Response(first, status_code=upstream.status_code, headers=out_headers)
+                return StreamingResponse(
+                    _relay(first, chunks, upstream, worker, ticket), status_code=upstream.status_code,
+                    headers=out_headers, background=BackgroundTask(_close, upstream, worker, ticket))
+            except BaseException:
+                # NOTE: cancelled (the client left, the router stops) or an unexpected error:
+                # the ticket and the connection must not leak, or the worker's load stays raised.
+                if upstream is not None:
+                    with contextlib.suppress(Exception):
+                        await upstream.aclose()
                 worker.finish(ticket)
-                failures.append(f"{worker.url}: HTTP {upstream.status_code}")
-                continue
-            chunks = upstream.aiter_bytes()
-            try:
-                # NOTE: read the whole body, or a stream up to its first token, before answering:
-                # until the client has a byte, a dead worker can still be replaced.
-                first = (await upstream.aread()) if not stream else await _opening(chunks)
-            except httpx.HTTPError as e:
-                await upstream.aclose()
-                self._failed(worker, ticket, failures, e)
-                continue
-            if not stream:
-                await upstream.aclose()
-                worker.finish(ticket)
-                return Response(first, status_code=upstream.status_code, headers=out_headers)
-            return StreamingResponse(
-                _relay(first, chunks, upstream, worker, ticket), status_code=upstream.status_code,
-                headers=out_headers, background=BackgroundTask(_close, upstream, worker, ticket))
+                raise
         return busy_answer or self._unavailable(failures)
 
     def _pick(self, tried: set[int], token_ids: list[int], salt: Hashable) -> Worker | None:

@@ -108,6 +108,9 @@ class AsyncEngine:
         self._ids = iter(range(1 << 62))
         self._thread = threading.Thread(target=self._run, name="corekv-engine", daemon=True)
         self._is_stopping = False
+        # NOTE: _put's check-and-put and the engine thread's last drain of the inbox hold this
+        # lock, so an item is either drained (and answered) or refused, never left unanswered.
+        self._inbox_lock = threading.Lock()
 
     # -- the event-loop side -------------------------------------------------------------------
     def start(self) -> None:
@@ -168,10 +171,11 @@ class AsyncEngine:
         return not self._thread.is_alive()
 
     def _put(self, item: tuple) -> None:
-        if self.dead_reason is not None or not self._thread.is_alive() or self._is_stopping:
-            reason = self.dead_reason or "the server is shutting down"
-            raise EngineUnavailableError(f"the engine cannot take requests: {reason}")
-        self._inbox.put(item)
+        with self._inbox_lock:
+            if self.dead_reason is not None or not self._thread.is_alive() or self._is_stopping:
+                reason = self.dead_reason or "the server is shutting down"
+                raise EngineUnavailableError(f"the engine cannot take requests: {reason}")
+            self._inbox.put(item)
 
     # -- the engine thread ---------------------------------------------------------------------
     # NOTE: inbox items: ("add", request_id, prompt, params, salt, events, loop, admitted),
@@ -281,13 +285,15 @@ class AsyncEngine:
             except Exception:
                 logger.exception("retiring aborted requests at shutdown failed")
                 break
-        while True:  # answer whatever raced the stop
-            try:
-                item = self._inbox.get_nowait()
-            except queue.Empty:
-                break
-            if item[0] in ("add", "call"):  # NOTE: both end with (..., loop, future)
-                _push(item[-2], _settle, item[-1], None, stopped)
+        with self._inbox_lock:  # answer whatever raced the stop; later _put calls are refused
+            self._is_stopping = True
+            while True:
+                try:
+                    item = self._inbox.get_nowait()
+                except queue.Empty:
+                    break
+                if item[0] in ("add", "call"):  # NOTE: both end with (..., loop, future)
+                    _push(item[-2], _settle, item[-1], None, stopped)
         if self.close_engine:
             try:
                 self.engine.close()

@@ -107,6 +107,9 @@ class BackgroundServer:
         deadline = time.monotonic() + self.startup_timeout
         while not self.server.started:
             if not self._thread.is_alive() or time.monotonic() > deadline:
+                self.server.should_exit = True  # NOTE: and free the port: nobody calls stop()
+                self._thread.join(self.startup_timeout)
+                self._sock.close()
                 raise RuntimeError(f"the server on {self.url} did not start within "
                                    f"{self.startup_timeout} s (see its log)")
             time.sleep(0.01)
