@@ -69,10 +69,11 @@ def did_you_mean(word: Any, candidates: Iterable[str]) -> str:
     return f"; did you mean {close[0]!r}?" if close else ""
 
 
-def describe_value(value: Any) -> str:
-    """``repr`` of a received value, shortened so an error stays one readable line."""
+def describe_value(value: Any, limit: int = 80) -> str:
+    """``repr`` of a received value, at most ``limit`` characters, so an error stays one readable
+    line (every corekv error message that quotes a value uses this)."""
     text = repr(value)
-    return text if len(text) <= 80 else text[:77] + "..."
+    return text if len(text) <= limit else text[:limit - 3] + "..."
 
 
 @dataclass(frozen=True)

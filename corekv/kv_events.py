@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from typing import Any, Union
 
 from corekv.errors import CoreKVError
+from corekv.config_values import describe_value
 
 logger = logging.getLogger(__name__)
 
@@ -144,7 +145,7 @@ def decode_batch(payload: bytes) -> KVEventBatch:
     except Exception as e:  # msgpack raises several unrelated types for corrupt input
         raise KVEventDecodeError(f"payload of {len(payload)} bytes is not valid msgpack ({e})") from e
     if not isinstance(raw, list) or len(raw) < 2 or not isinstance(raw[1], list):
-        raise KVEventDecodeError(f"payload decodes to {_short(raw)}; expected a batch "
+        raise KVEventDecodeError(f"payload decodes to {describe_value(raw)}; expected a batch "
                                  "[ts, [event, ...]] (+ [data_parallel_rank])")
     try:
         return KVEventBatch(raw[0], [_decode_event(e) for e in raw[1]],
@@ -158,11 +159,11 @@ def _decode_event(raw: Any) -> KVEvent:
         tag = raw.get("type")
         names = _FIELDS.get(tag)
         if names is None:
-            raise KVEventDecodeError(f"event {_short(raw)} has unknown type {tag!r}; expected one "
+            raise KVEventDecodeError(f"event {describe_value(raw)} has unknown type {tag!r}; expected one "
                                      f"of {', '.join(_FIELDS)}")
         return _EVENT_TYPES[tag](**{n: raw[n] for n in names if n in raw})
     if not isinstance(raw, list) or not raw or raw[0] not in _FIELDS:
-        raise KVEventDecodeError(f"event {_short(raw)} is not a tagged array; expected "
+        raise KVEventDecodeError(f"event {describe_value(raw)} is not a tagged array; expected "
                                  f"[tag, fields...] with tag one of {', '.join(_FIELDS)}")
     tag = raw[0]
     names = _FIELDS[tag]
@@ -180,7 +181,7 @@ _FIELDS = {"BlockStored": ("block_hashes", "parent_block_hash", "token_ids", "bl
 
 def _set_tuple(obj: Any, name: str, values: Any, check: Any) -> None:
     if isinstance(values, (str, bytes)) or not isinstance(values, Sequence):
-        raise TypeError(f"{type(obj).__name__}({name}=...) got {_short(values)}; expected a list")
+        raise TypeError(f"{type(obj).__name__}({name}=...) got {describe_value(values)}; expected a list")
     values = tuple(values)
     for v in values:
         check(name, v)
@@ -189,33 +190,28 @@ def _set_tuple(obj: Any, name: str, values: Any, check: Any) -> None:
 
 def _check_hash(name: str, value: Any) -> None:
     if value.__class__ is not bytes and (value.__class__ is not int):
-        raise TypeError(f"{name} holds {_short(value)}; expected block hashes as bytes (or int)")
+        raise TypeError(f"{name} holds {describe_value(value)}; expected block hashes as bytes (or int)")
 
 
 def _check_int(name: str, value: Any) -> None:
     if value.__class__ is not int:
-        raise TypeError(f"{name} got {_short(value)}; expected an int")
+        raise TypeError(f"{name} got {describe_value(value)}; expected an int")
 
 
 def _check_token(name: str, value: Any) -> None:
     if value.__class__ is not int:
-        raise TypeError(f"{name} holds {_short(value)}; expected token ids (ints)")
+        raise TypeError(f"{name} holds {describe_value(value)}; expected token ids (ints)")
 
 
 def _check_medium(value: Any) -> None:
     if value is not None and not isinstance(value, str):
-        raise TypeError(f"medium got {_short(value)}; expected a tier name (str) or None")
+        raise TypeError(f"medium got {describe_value(value)}; expected a tier name (str) or None")
 
 
 def _check_event(name: str, value: Any) -> None:
     if not isinstance(value, (BlockStored, BlockRemoved, AllBlocksCleared)):
-        raise TypeError(f"{name} holds {_short(value)}; expected BlockStored, BlockRemoved or "
+        raise TypeError(f"{name} holds {describe_value(value)}; expected BlockStored, BlockRemoved or "
                         "AllBlocksCleared")
-
-
-def _short(value: Any) -> str:
-    text = repr(value)
-    return text if len(text) <= 80 else text[:77] + "..."
 
 
 class KVEventSubscriber:

@@ -12,6 +12,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from corekv.config_values import describe_value
+
 __all__ = ["IncrementalDetokenizer", "find_stop"]
 
 _REPLACEMENT_CHAR = "\ufffd"
@@ -154,9 +156,4 @@ def _check_ids(name: str, ids: Any) -> None:
     if isinstance(ids, (str, bytes)) or not isinstance(ids, Sequence) or not all(
             isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids):
         raise TypeError(f"IncrementalDetokenizer: {name} must be a sequence of token ids (integers "
-                        f">= 0), got {_short_repr(ids)}; pass a list[int]")
-
-
-def _short_repr(value: Any, limit: int = 120) -> str:
-    text = repr(value)
-    return text if len(text) <= limit else text[:limit] + "..."
+                        f">= 0), got {describe_value(ids, 120)}; pass a list[int]")

@@ -10,6 +10,7 @@ from corekv.errors import CoreKVError
 from corekv.engine.outputs import CompletionOutput, RequestOutput
 from corekv.engine.sampling import SamplingParams
 from corekv.engine.sequence import Sequence
+from corekv.config_values import describe_value
 
 __all__ = ["Request", "RequestRejectedError", "as_prompt_list", "per_prompt", "check_request_fits",
            "make_output"]
@@ -117,6 +118,5 @@ def make_output(request: Request) -> RequestOutput:
         num_preemptions=sum(s.num_preemptions for s in request.seqs))
 
 
-def _short(value: Any, limit: int = 80) -> str:
-    text = repr(value)
-    return f"{type(value).__name__} {text if len(text) <= limit else text[:limit] + '...'}"
+def _short(value: Any) -> str:
+    return f"{type(value).__name__} {describe_value(value)}"

@@ -12,7 +12,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from corekv.config_values import did_you_mean
+from corekv.config_values import describe_value, did_you_mean
 from corekv.engine.sampling import SamplingParams
 
 __all__ = ["APIError", "GenerateRequest", "error_body", "parse_completion", "parse_chat",
@@ -78,7 +78,7 @@ def parse_completion(body: Any) -> GenerateRequest:
         prompt = prompt[0]
     if not (isinstance(prompt, str) and prompt) and not _is_token_ids(prompt):
         raise APIError(f"prompt must be a non-empty string or a non-empty list of token ids, got "
-                       f"{_short(prompt)}; send one request per prompt", param="prompt")
+                       f"{describe_value(prompt)}; send one request per prompt", param="prompt")
     return _generate_request(body, prompt, body.get("max_tokens"), DEFAULT_MAX_TOKENS)
 
 
@@ -106,10 +106,10 @@ def parse_prefix(body: Any, *, with_pin: bool) -> tuple[Any, str | None, bool]:
         prompt = body["prompt"]
         if not (isinstance(prompt, str) and prompt) and not _is_token_ids(prompt):
             raise APIError(f"prompt must be a non-empty string or list of token ids, got "
-                           f"{_short(prompt)}", param="prompt")
+                           f"{describe_value(prompt)}", param="prompt")
     pin = body.get("pin", True)
     if not isinstance(pin, bool):
-        raise APIError(f"pin must be true or false, got {_short(pin)}", param="pin")
+        raise APIError(f"pin must be true or false, got {describe_value(pin)}", param="pin")
     return prompt, _salt(body), pin
 
 
@@ -118,23 +118,23 @@ def parse_messages(messages: Any) -> list[dict[str, str]]:
     also be OpenAI's list of ``{"type": "text", "text": ...}`` parts (joined)."""
     if not isinstance(messages, list) or not messages:
         raise APIError(f"messages must be a non-empty list of {{'role', 'content'}} objects, got "
-                       f"{_short(messages)}", param="messages")
+                       f"{describe_value(messages)}", param="messages")
     checked = []
     for i, message in enumerate(messages):
         if not isinstance(message, Mapping) or not isinstance(message.get("role"), str):
             raise APIError(f"messages[{i}] must be an object with a string role, got "
-                           f"{_short(message)}", param=f"messages[{i}]")
+                           f"{describe_value(message)}", param=f"messages[{i}]")
         content = message.get("content")
         if isinstance(content, list):
             if not all(isinstance(p, Mapping) and p.get("type") == "text"
                        and isinstance(p.get("text"), str) for p in content):
                 raise APIError(f"messages[{i}].content: only text parts "
-                               f"({{'type': 'text', 'text': ...}}) are supported, got {_short(content)}",
+                               f"({{'type': 'text', 'text': ...}}) are supported, got {describe_value(content)}",
                                param=f"messages[{i}].content")
             content = "".join(p["text"] for p in content)
         if not isinstance(content, str):
             raise APIError(f"messages[{i}].content must be a string or a list of text parts, got "
-                           f"{_short(content)}", param=f"messages[{i}].content")
+                           f"{describe_value(content)}", param=f"messages[{i}].content")
         checked.append({"role": message["role"], "content": content})
     return checked
 
@@ -144,21 +144,21 @@ def _generate_request(body: Mapping, prompt: Any, max_tokens: Any, default_max_t
                       ) -> GenerateRequest:
     model = body.get("model")
     if model is not None and not isinstance(model, str):
-        raise APIError(f"model must be a string, got {_short(model)}; see GET /v1/models",
+        raise APIError(f"model must be a string, got {describe_value(model)}; see GET /v1/models",
                        param="model")
     stream = body.get("stream", False)
     if stream is None:
         stream = False
     if not isinstance(stream, bool):
-        raise APIError(f"stream must be true or false, got {_short(stream)}", param="stream")
+        raise APIError(f"stream must be true or false, got {describe_value(stream)}", param="stream")
     options = body.get("stream_options") or {}
     if not isinstance(options, Mapping) or set(options) - {"include_usage"}:
-        raise APIError(f"stream_options must be {{'include_usage': bool}}, got {_short(options)}",
+        raise APIError(f"stream_options must be {{'include_usage': bool}}, got {describe_value(options)}",
                        param="stream_options")
     include_usage = options.get("include_usage", False)
     if not isinstance(include_usage, bool):
         raise APIError(f"stream_options.include_usage must be true or false, got "
-                       f"{_short(include_usage)}", param="stream_options")
+                       f"{describe_value(include_usage)}", param="stream_options")
     fields = {k: body[k] for k in _SAMPLING_FIELDS if body.get(k) is not None}
     fields["max_tokens"] = default_max_tokens if max_tokens is None else max_tokens
     try:
@@ -172,7 +172,7 @@ def _generate_request(body: Mapping, prompt: Any, max_tokens: Any, default_max_t
 
 def _object(body: Any) -> Mapping:
     if not isinstance(body, Mapping):
-        raise APIError(f"the request body must be a JSON object, got {_short(body)}")
+        raise APIError(f"the request body must be a JSON object, got {describe_value(body)}")
     return body
 
 
@@ -182,7 +182,7 @@ def _check_fields(body: Mapping, known: tuple[str, ...]) -> None:
             continue
         if key in _OFF_VALUES:
             if value not in _OFF_VALUES[key]:
-                raise APIError(f"{key}={_short(value)} is not supported by this server; leave it "
+                raise APIError(f"{key}={describe_value(value)} is not supported by this server; leave it "
                                f"out (or send {_OFF_VALUES[key][-1]!r})", param=key)
             continue
         raise APIError(f"unknown field {key!r}{did_you_mean(str(key), known)} (known fields: "
@@ -192,7 +192,7 @@ def _check_fields(body: Mapping, known: tuple[str, ...]) -> None:
 def _salt(body: Mapping) -> str | None:
     salt = body.get("cache_salt")
     if salt is not None and (not isinstance(salt, str) or not salt):
-        raise APIError(f"cache_salt must be a non-empty string or null, got {_short(salt)}; pass "
+        raise APIError(f"cache_salt must be a non-empty string or null, got {describe_value(salt)}; pass "
                        "the tenant's salt (prefixes are shared only within one salt)",
                        param="cache_salt")
     return salt
@@ -201,8 +201,3 @@ def _salt(body: Mapping) -> str | None:
 def _is_token_ids(value: Any) -> bool:
     return (isinstance(value, list) and bool(value)
             and all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in value))
-
-
-def _short(value: Any, limit: int = 60) -> str:
-    text = repr(value)
-    return text if len(text) <= limit else text[:limit] + "..."
