@@ -43,7 +43,6 @@ class Worker:
         self.subscriber: Any = None
         self.pending: dict[int, tuple[Hashable, list[int], int]] = {}  # salt, ids, new blocks
         self.num_requests = self.num_failures = self.num_event_batches = 0
-        self._last_event_seq: int | None = None
         self._ids = itertools.count()
 
     @property
@@ -110,11 +109,6 @@ class Worker:
         tree = self.events_tree
         if tree is None:
             return  # NOTE: a batch queued before the subscriber was closed
-        if self._last_event_seq is not None and seq <= self._last_event_seq:
-            # NOTE: the publisher restarted (its count began again) between two health checks:
-            # its cache is new, and the events from now on describe all of it.
-            tree.clear()
-        self._last_event_seq = seq
         self.num_event_batches += 1
         for event in batch.events:
             if isinstance(event, BlockStored) and event.medium in DEVICE_MEDIA:
@@ -124,6 +118,12 @@ class Worker:
                 tree.remove(event.block_hashes)
             elif isinstance(event, AllBlocksCleared):
                 tree.clear()
+
+    def clear_events_view(self) -> None:
+        """The publisher restarted (its count began again) between two health checks: its cache
+        is new, and the events from now on describe all of it (on the event loop's thread)."""
+        if self.events_tree is not None:
+            self.events_tree.clear()
 
     def state(self) -> dict[str, Any]:
         """The worker as ``GET /workers`` shows it."""
@@ -152,8 +152,9 @@ class Worker:
                 replay_endpoint=self._reachable(replay) if replay else None,
                 topic=spec.get("topic") or "",
                 on_batch=lambda seq, batch: loop.call_soon_threadsafe(self.apply_batch, seq, batch),
+                on_restart=lambda: loop.call_soon_threadsafe(self.clear_events_view),
                 start_seq=0 if replay else None)
-            self.events_tree, self._last_event_seq = BlockTree(self.block_size), None
+            self.events_tree = BlockTree(self.block_size)
             self.subscriber = subscriber.start()
         except Exception as e:  # NOTE: events are an optimisation: route on routed prompts instead
             logger.warning("worker %s: cannot subscribe to its KV events %s (%s); routing on the "

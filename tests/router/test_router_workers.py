@@ -40,10 +40,13 @@ def test_events_of_other_media_and_lora_blocks_are_ignored():
 
 
 def test_a_restarted_publisher_starts_the_view_over():
+    """KVEventSubscriber detects the restart (its own tests) and calls on_restart, which
+    start_events wires to clear_events_view."""
     worker = subscribed_worker()
     worker.apply_batch(0, batch(BlockStored([b"a"], None, [1, 2], BLOCK)))
     worker.apply_batch(1, batch(BlockStored([b"b"], b"a", [3, 4], BLOCK)))
-    worker.apply_batch(0, batch(BlockStored([b"c"], None, [9, 9], BLOCK)))  # seq 0 again
+    worker.clear_events_view()
+    worker.apply_batch(0, batch(BlockStored([b"c"], None, [9, 9], BLOCK)))  # the new run's seq 0
     assert worker.match([1, 2], None) == 0 and worker.match([9, 9], None) == 2
 
 
