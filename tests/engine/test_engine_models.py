@@ -95,6 +95,21 @@ def test_fingerprint_depends_on_weights_and_is_stable_across_processes(tiny_llam
     assert out.strip() == tiny_llama.fingerprint
 
 
+def test_float32_cpu_linear_weights_are_stored_transposed_with_the_same_values(tiny_llama, smollm2):
+    fresh = make_tiny_llama().model  # another build: the transposed copy must hold the same values
+    for name, module in tiny_llama.model.named_modules():
+        if isinstance(module, torch.nn.Linear):
+            weight = module.weight
+            assert weight.t().is_contiguous() and not weight.is_contiguous(), name
+            assert torch.equal(weight, fresh.get_submodule(name).weight), name
+    # a tied lm_head is the embedding's table: the lookup needs it row-major
+    assert smollm2.model.lm_head.weight is smollm2.model.get_input_embeddings().weight
+    assert smollm2.model.lm_head.weight.is_contiguous()
+    assert not smollm2.model.model.layers[0].mlp.up_proj.weight.is_contiguous()
+    # bfloat16 gains nothing from it: left as loaded
+    assert make_tiny_llama(dtype="bfloat16").model.lm_head.weight.is_contiguous()
+
+
 # ---- architectures that cannot be served -----------------------------------------------------
 
 def test_sliding_window_model_is_refused(tmp_path):
