@@ -41,7 +41,7 @@ import torch
 from corekv.backend import EvictedBlock
 from corekv.hashing import BlockHash, PrefixKey
 from corekv.offload_writer import OffloadWriter, safe_tier_call as _safe
-from corekv.pool_io import load_into_pool, pool_rows as _pool_rows, snapshot_blocks, write_rows
+from corekv.pool_io import load_into_pool, snapshot_blocks, write_rows
 from corekv.prefetch import Prefetch, Prefetcher
 from corekv.tier import Tier
 
@@ -169,12 +169,7 @@ class CacheManager:
 
         :returns: ``{tier name: blocks loaded}`` for the leading blocks that loaded.
         """
-        staged = None
-        if prefetch is not None:
-            def handoff(index: int) -> int | None:
-                return block_ids[index - start] if start <= index < stop else None
-
-            staged = self.prefetcher.take(prefetch, handoff)
+        staged = self.prefetcher.take(prefetch) if prefetch is not None else None
         loaded: dict[str, int] = {}
         pos, num_used = start, 0
         try:
@@ -330,36 +325,33 @@ class CacheManager:
 
     def _stage(self, prefetch: Prefetch, max_blocks: int, reserve) -> None:
         """The prefetch job (on the prefetch thread): look up the prefetch's blocks down the
-        tiers and fetch at most ``max_blocks`` leading hits, validated, ``_CHUNK`` blocks per
-        tier call: into staging rows, or, once admission handed over its pool blocks (CPU pool),
-        straight into them."""
+        tiers and fetch at most ``max_blocks`` leading hits, validated, into staging rows,
+        ``_CHUNK`` blocks per tier call, until admission asks it to stop."""
         key, start = prefetch.key, prefetch.start
         runs = self.lookup(key, start, prefetch.stop)
         total = min(sum(run.num_blocks for run in runs), max_blocks)
         if total == 0:
             return
         pool = self.kv_pool
-        is_cpu = pool.storage.device.type == "cpu"
         reserve(total)
-        # NOTE: pinned staging makes the host-to-device copy at admission asynchronous; on a CPU
-        # pool the rows' pages are touched only if they are used (empty() does not fault them in).
-        prefetch.staging = torch.empty((total, pool.bytes_per_block), dtype=torch.uint8, pin_memory=not is_cpu)
-        staging_rows, pool_rows = prefetch.staging.numpy(), _pool_rows(pool) if is_cpu else None
+        # NOTE: pinned staging makes the host-to-device copy at admission asynchronous; rows'
+        # pages are touched only if they are used (empty() does not fault them in).
+        prefetch.staging = torch.empty((total, pool.bytes_per_block), dtype=torch.uint8,
+                                       pin_memory=pool.storage.device.type != "cpu")
+        staging_rows = prefetch.staging.numpy()
         hashes, offset = key.block_hashes, 0
         for run in runs:
             tier, end = self.tiers[run.tier_index], min(offset + run.num_blocks, total)
             while offset < end:
+                if prefetch.stop_requested:
+                    return
                 num = min(_CHUNK, end - offset)
-                handoff = prefetch.destination() if is_cpu else None
-                ids = [handoff(start + i) for i in range(offset, offset + num)] if handoff else None
-                is_direct = ids is not None and None not in ids
-                out = [pool_rows[b] for b in ids] if is_direct else list(staging_rows[offset:offset + num])
                 keys = hashes[start + offset:start + offset + num]
-                flags = _safe(lambda: tier.get_into(keys, out), [False] * num, tier, "get_into")
+                flags = _safe(lambda: tier.get_into(keys, list(staging_rows[offset:offset + num])),
+                              [False] * num, tier, "get_into")
                 num_ok = next((i for i, ok in enumerate(flags) if not ok), num)
                 if num_ok:
-                    with prefetch.lock:
-                        prefetch.add(run.tier_index, num_ok, is_direct)
+                    prefetch.add(run.tier_index, num_ok)
                 offset += num_ok
                 if num_ok < num:
                     return
@@ -368,9 +360,9 @@ class CacheManager:
 
     def _load_staged(self, key: PrefixKey, staged: Prefetch, pos: int, stop: int,
                      block_ids: Sequence[int], loaded: dict[str, int]) -> int:
-        """Put ``staged``'s blocks ``pos ..`` (up to ``stop``) into ``block_ids``: staging rows are
-        copied (one batched host-to-device copy per run on an accelerator), direct ones are there; count, announce (and promote)
-        them per tier run. Returns the number of blocks."""
+        """Copy ``staged``'s blocks ``pos ..`` (up to ``stop``) into ``block_ids`` (one batched
+        host-to-device copy per run on an accelerator); count, announce (and promote) them per
+        tier run. Returns the number of blocks."""
         first = pos - staged.start
         last = min(stop, staged.start + staged.num_staged) - staged.start
         row = 0
@@ -381,8 +373,7 @@ class CacheManager:
                 continue
             ids = list(block_ids[lo - first:hi - first])
             rows = staged.staging[lo:hi]
-            if not run.is_direct:
-                write_rows(self.kv_pool, ids, rows)
+            write_rows(self.kv_pool, ids, rows)
             tier = self.tiers[run.tier_index]
             keys = key.block_hashes[staged.start + lo:staged.start + hi]
             num = hi - lo
@@ -393,10 +384,7 @@ class CacheManager:
             if self.hooks is not None:
                 self.hooks.corekv_on_blocks_loaded(tier=tier.name, block_hashes=list(keys))
             if run.tier_index > 0 and self.write_policy == "write_through":  # promote now
-                if run.is_direct:
-                    self._enqueue(keys, ids, tiers=self.tiers[:run.tier_index])
-                else:
-                    self._writer.submit(keys, lambda: rows, self.tiers[:run.tier_index])
+                self._writer.submit(keys, lambda: rows, self.tiers[:run.tier_index])
         return last - first
 
     def _load_into(self, tier: Tier, keys: list[BlockHash], block_ids: list[int]) -> list[bool]:

@@ -6,10 +6,14 @@ checksum checked, as on every load) into one staging buffer. At admission the ca
 takes the staged rows (:meth:`Prefetcher.take`) and copies them into the allocated pool blocks
 in one batched copy, so the tier I/O of request B runs while the engine's step for the others
 does. A job that has not started by admission is cancelled and the manager loads synchronously
-instead; a job that is running is waited for: a block is never fetched twice. While it waits,
-admission hands the job its pool blocks (``handoff``): on a CPU pool the job's remaining reads
-then go straight into them, so a request admitted right after it arrived pays one copy per
-block, not two (staging, then pool).
+instead; a job that is running is told to stop after its current tier call and waited for, and
+the manager loads the blocks it did not reach: a block is never fetched twice.
+
+NOTE: a job admission would wait for is stopped rather than finished because the engine thread
+has nothing else to do meanwhile: loading the rest itself, straight into the pool blocks, is
+faster than waiting for the background thread (measured at 2K tokens from the host tier: ~20 ms
+either way when the job was cancelled, 23-34 ms when admission waited for the whole job:
+a staging copy per block, and the two threads trading the GIL).
 
 NOTE: staged bytes are keyed by chained block hashes, which name a block's whole prefix, so they
 stay right whatever happens to the device cache or the tiers meanwhile: the manager only
@@ -36,21 +40,18 @@ __all__ = ["Prefetch", "Prefetcher", "StagedRun"]
 
 @dataclass(frozen=True)
 class StagedRun:
-    """``num_blocks`` consecutive fetched blocks that came from tier ``tier_index``: in the
-    staging rows, or (``is_direct``) already in the pool blocks admission handed over."""
+    """``num_blocks`` consecutive staged blocks that came from tier ``tier_index``."""
 
     tier_index: int
     num_blocks: int
-    is_direct: bool = False
 
 
 @dataclass(eq=False)
 class Prefetch:
     """One request's prefetch of blocks ``start .. stop - 1`` of ``key``.
 
-    After the job ran, blocks ``start .. start + num_staged - 1`` were fetched and validated;
-    ``runs`` says, in order, which tier each came from and whether it is in ``staging[i]`` (for
-    block ``start + i``) or already in the pool block ``handoff(start + i)`` named.
+    After the job ran, blocks ``start .. start + num_staged - 1`` were fetched and validated into
+    ``staging[i]`` (for block ``start + i``); ``runs`` says, in order, which tier each came from.
     """
 
     key: PrefixKey
@@ -59,32 +60,28 @@ class Prefetch:
     future: Future | None = None
     runs: list[StagedRun] = field(default_factory=list)
     staging: torch.Tensor | None = None
-    #: set by admission: block index -> the pool block it goes to (None: not wanted there)
-    handoff: Callable[[int], int | None] | None = None
+    #: set by admission: the job ends after its current tier call (a plain flag: the job only
+    #: reads it, between tier calls)
+    stop_requested: bool = False
     is_released: bool = False
     #: staging rows counted against the prefetcher's bound (given back by ``release``, even when
     #: allocating them failed)
     num_reserved: int = 0
-    lock: threading.Lock = field(default_factory=threading.Lock)
     #: ``time.perf_counter()`` when the request arrived and the job was queued
     started_at: float = field(default_factory=time.perf_counter)
 
     @property
     def num_staged(self) -> int:
-        """Blocks fetched (into staging or, after the handoff, straight into the pool)."""
+        """Blocks fetched into staging."""
         return sum(run.num_blocks for run in self.runs)
 
-    def add(self, tier_index: int, num_blocks: int, is_direct: bool) -> None:
-        """The job fetched ``num_blocks`` more blocks (merged into the last run when alike)."""
+    def add(self, tier_index: int, num_blocks: int) -> None:
+        """The job staged ``num_blocks`` more blocks (merged into the last run when alike)."""
         last = self.runs[-1] if self.runs else None
-        if last is not None and (last.tier_index, last.is_direct) == (tier_index, is_direct):
-            self.runs[-1] = StagedRun(tier_index, last.num_blocks + num_blocks, is_direct)
+        if last is not None and last.tier_index == tier_index:
+            self.runs[-1] = StagedRun(tier_index, last.num_blocks + num_blocks)
         else:
-            self.runs.append(StagedRun(tier_index, num_blocks, is_direct))
-
-    def destination(self) -> Callable[[int], int | None] | None:
-        with self.lock:
-            return self.handoff
+            self.runs.append(StagedRun(tier_index, num_blocks))
 
 
 #: ``stage(prefetch, max_blocks, reserve)``: the manager's fetch; it calls ``reserve(rows)`` once,
@@ -108,10 +105,10 @@ class Prefetcher:
         self._stage = stage
         self.max_blocks = max_blocks
         self.num_staged_blocks = 0
-        #: started, ready (done by admission), waited, fallbacks (cancelled: loaded
-        #: synchronously), dropped (aborted before admission), skipped (no staging room),
-        #: staged_blocks (fetched into staging), direct_blocks (fetched straight into the pool
-        #: after the handoff), used_blocks, dropped_blocks; wait_s (seconds admission waited)
+        #: started, ready (done by admission), fallbacks (cancelled: loaded
+        #: synchronously), stopped (running at admission: stopped after its tier call),
+        #: dropped (aborted before admission), skipped (no staging room), staged_blocks,
+        #: used_blocks, dropped_blocks; wait_s (seconds admission waited)
         self.counters: Counter = Counter()
         self._lock = threading.Lock()
         self._executor: ThreadPoolExecutor | None = ThreadPoolExecutor(1, thread_name_prefix="corekv-prefetch")
@@ -125,25 +122,20 @@ class Prefetcher:
         self.counters["started"] += 1
         return prefetch
 
-    def take(self, prefetch: Prefetch, handoff: Callable[[int], int | None] | None = None) -> Prefetch | None:
-        """At admission: the finished prefetch (waiting for a running job), or None when the job
-        had not started (it is cancelled; the caller loads synchronously and must not call
-        :meth:`release`).
-
-        :param handoff: block index -> the pool block admission allocated for it (None: not
-            wanted); a running job writes its remaining blocks straight there.
-        """
+    def take(self, prefetch: Prefetch) -> Prefetch | None:
+        """At admission: the prefetch, ended (a running job is stopped after its current tier
+        call and waited for), or None when the job had not started (it is cancelled; the caller
+        loads synchronously and must not call :meth:`release`)."""
         future = prefetch.future
         if future.cancel():
             self.counters["fallbacks"] += 1
             prefetch.is_released = True
             return None
-        with prefetch.lock:
-            prefetch.handoff = handoff
+        prefetch.stop_requested = True
         if future.done():
             self.counters["ready"] += 1
         else:
-            self.counters["waited"] += 1
+            self.counters["stopped"] += 1
             t0 = time.perf_counter()
             future.result()
             self.counters["wait_s"] += time.perf_counter() - t0
@@ -171,8 +163,8 @@ class Prefetcher:
 
     def stats(self) -> dict[str, float]:
         out = {name: self.counters[name] for name in (
-            "started", "ready", "waited", "fallbacks", "dropped", "skipped", "staged_blocks",
-            "direct_blocks", "used_blocks", "dropped_blocks")}
+            "started", "ready", "stopped", "fallbacks", "dropped", "skipped", "staged_blocks",
+            "used_blocks", "dropped_blocks")}
         out["wait_s"] = round(self.counters["wait_s"], 6)
         out["num_staged_blocks"] = self.num_staged_blocks
         return out
@@ -202,5 +194,4 @@ class Prefetcher:
         except Exception:  # pragma: no cover - a bug; admission then loads what is missing
             logger.exception("corekv prefetch: unexpected error; the request loads at admission")
         with self._lock:
-            for run in prefetch.runs:
-                self.counters["direct_blocks" if run.is_direct else "staged_blocks"] += run.num_blocks
+            self.counters["staged_blocks"] += prefetch.num_staged

@@ -271,7 +271,7 @@ def test_a_prefetched_prefix_loads_the_same_bytes_as_a_synchronous_load():
     assert manager.load_prefix(key, 0, 3, [5, 6, 7], prefetch) == {"host": 3}
     assert torch.equal(pool.read_blocks([5, 6, 7]), original)
     stats = manager.prefetch_stats()
-    assert stats["ready"] == 1 and stats["waited"] == 0 and stats["used_blocks"] == 3
+    assert stats["ready"] == 1 and stats["stopped"] == 0 and stats["used_blocks"] == 3
     assert stats["num_staged_blocks"] == 0, "admission released the staging"
     assert manager.stats()["host"]["prefetched_blocks"] == manager.stats()["host"]["reloads"] == 3
     manager.close()
@@ -330,11 +330,11 @@ def test_dropping_a_prefetch_releases_its_staging_and_counts_it():
     assert stats["dropped_blocks"] == stats["staged_blocks"]
 
 
-def test_a_queued_prefetch_is_cancelled_and_a_running_one_gets_the_pool_blocks():
+def test_a_queued_prefetch_is_cancelled_and_a_running_one_stops_at_admission():
     """The prefetch thread is held at a gate (a wrapper around the real staging function) until
-    admission of the first request has handed over its pool blocks, so the second job is still
-    queued at its own admission: it is cancelled and loaded synchronously, and the first job
-    writes straight into the pool blocks (no staging copy)."""
+    admission of the first request has asked it to stop, so the second job is still queued at
+    its own admission: it is cancelled and loaded synchronously; the first job stops before its
+    first tier call and admission loads those blocks itself (nothing fetched twice)."""
     import threading
     import time
 
@@ -351,7 +351,7 @@ def test_a_queued_prefetch_is_cancelled_and_a_running_one_gets_the_pool_blocks()
     def gated_stage(prefetch, *args):
         entered.set()
         deadline = time.monotonic() + 30
-        while prefetch.destination() is None and time.monotonic() < deadline:
+        while not prefetch.stop_requested and time.monotonic() < deadline:
             time.sleep(0.001)
         return manager._stage(prefetch, *args)
 
@@ -365,9 +365,51 @@ def test_a_queued_prefetch_is_cancelled_and_a_running_one_gets_the_pool_blocks()
     assert manager.load_prefix(key_a, 0, 2, [12, 13], first) == {"host": 2}
     assert torch.equal(pool.read_blocks([12, 13]), original_a)
     stats = manager.prefetch_stats()
-    assert stats["fallbacks"] == 1 and stats["waited"] == 1
-    assert stats["direct_blocks"] == 2 and stats["staged_blocks"] == 0
-    assert stats["used_blocks"] == 2 and stats["num_staged_blocks"] == 0
+    assert stats["fallbacks"] == 1 and stats["stopped"] == 1 and stats["staged_blocks"] == 0
+    assert stats["used_blocks"] == 0 and stats["num_staged_blocks"] == 0
+    assert host.stats()["hits"] == 4, "every block was read from the tier exactly once"
+    manager.close()
+
+
+def test_a_stopped_prefetch_keeps_what_it_staged_and_admission_loads_the_rest():
+    """The job is held after its first tier call (a wrapper around the host tier's real
+    ``get_into``) until admission asks it to stop: the staged chunk is copied from staging, the
+    rest is loaded synchronously, each block read once."""
+    import threading
+    import time
+
+    import corekv.cache_manager as cache_manager_module
+
+    pool = make_pool(16)
+    host = HostTier(size=8 * 4096, **tier_kwargs(pool))
+    key = make_key(cache_manager_module._CHUNK + 2)
+    original = offloaded(pool, key, host)
+    manager = CacheManager([host], pool)
+    real_get_into, calls, started = host.get_into, [], []
+    first_call_done = threading.Event()
+
+    def gated_get_into(keys, out):
+        flags = real_get_into(keys, out)
+        calls.append(len(keys))
+        first_call_done.set()
+        deadline = time.monotonic() + 30
+        while not (started and started[0].stop_requested) and time.monotonic() < deadline:
+            time.sleep(0.001)
+        return flags
+
+    host.get_into = gated_get_into
+    num = len(key.block_hashes)
+    prefetch = manager.prefetch(key, 0, num)
+    started.append(prefetch)
+    first_call_done.wait(timeout=30)
+    host.get_into = real_get_into  # admission's synchronous load reads the tier directly
+    ids = list(range(2, 2 + num))
+    assert manager.load_prefix(key, 0, num, ids, prefetch) == {"host": num}
+    assert torch.equal(pool.read_blocks(ids), original)
+    stats = manager.prefetch_stats()
+    assert calls == [cache_manager_module._CHUNK] and stats["stopped"] == 1
+    assert stats["staged_blocks"] == stats["used_blocks"] == cache_manager_module._CHUNK
+    assert host.stats()["hits"] == num, "every block was read from the tier exactly once"
     manager.close()
 
 

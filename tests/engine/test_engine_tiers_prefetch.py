@@ -70,7 +70,7 @@ def test_generate_waits_for_a_running_prefetch_and_counts_it(tiny_llama, tmp_pat
         host = engine.stats()["tiers"]["host"]
     assert output.cached_tokens_by_tier == {"device": 0, "host": 4 * BLOCK}
     assert torch.equal(logits, reference_logits)
-    assert stats["waited"] + stats["ready"] + stats["fallbacks"] == 1
+    assert stats["stopped"] + stats["ready"] + stats["fallbacks"] == 1
     assert stats["used_blocks"] == 4 or stats["fallbacks"] == 1
     assert host["hits"] - hits_before == 4, "each block was read from the tier once"
 
