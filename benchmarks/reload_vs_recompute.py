@@ -28,7 +28,9 @@ Each of ``--runs`` runs uses a fresh ``cache_salt``, so its prefix is cached now
 The reload bandwidth is the bytes loaded / the time from the request's arrival (its prefetch
 start) to the end of ``CacheManager.load_prefix`` at admission (timed by wrapping the real method);
 memcpy is the faster of ``numpy.copyto`` and ``torch.Tensor.copy_`` of the same number of bytes
-between two preallocated uint8 buffers (the stricter reference), measured right after each reload. Medians of ``--runs`` runs.
+between two preallocated uint8 buffers (the stricter reference), measured right after each reload,
+and next to it the same bytes copied block by block (``numpy.copyto`` per 0.7 MiB row: the copy a
+reload makes; see :func:`memcpy_seconds` on why the two differ). Medians of ``--runs`` runs.
 """
 from __future__ import annotations
 
@@ -89,17 +91,48 @@ class LoadTimer:
         manager.load_prefix = timed
 
 
-def memcpy_seconds(num_bytes: int, repeats: int = 5) -> float:
+_EVICTION: list[np.ndarray] = []
+
+
+def evict_cpu_caches() -> None:
+    """Touch every cache line of a buffer larger than the last-level cache (260 MiB here): the
+    next copy reads DRAM, as a reload of blocks stored earlier does (repeated copies of the same
+    buffers would otherwise run from the cache: 14 GB/s for 23 MB here)."""
+    if not _EVICTION:
+        _EVICTION.append(np.ones(768 << 20, dtype=np.uint8))
+    _EVICTION[0][::64] += 1
+
+
+def memcpy_seconds(num_bytes: int, repeats: int = 5, *, block_bytes: int = 0) -> float:
     """The faster of ``numpy.copyto`` and ``torch.Tensor.copy_`` between two preallocated uint8
-    buffers of ``num_bytes`` (median of ``repeats`` each): the stricter reference."""
+    buffers of ``num_bytes`` (median of ``repeats`` each, the CPU caches evicted before each): the
+    stricter reference. ``block_bytes``: instead, ``numpy.copyto`` row by row in rows of
+    ``block_bytes``, the copy a reload makes.
+
+    NOTE: glibc's memcpy switches to non-temporal stores above a size threshold (0x6300000 bytes,
+    ~99 MiB, on this machine: ``ld.so --list-tunables``), which runs ~1.5x faster here (11.5 vs
+    7.3 GB/s); a copy of one block (0.7 MiB) stays under it unless
+    ``GLIBC_TUNABLES=glibc.cpu.x86_non_temporal_threshold=...`` lowers it. Hence both references.
+    """
     src = torch.empty(num_bytes, dtype=torch.uint8).fill_(7)
     dst = torch.empty(num_bytes, dtype=torch.uint8)
     dst.copy_(src)  # first touch
     src_np, dst_np = src.numpy(), dst.numpy()
+    copies = [lambda: dst.copy_(src), lambda: np.copyto(dst_np, src_np)]
+    if block_bytes:
+        rows = num_bytes // block_bytes
+        src_rows = src_np[:rows * block_bytes].reshape(rows, block_bytes)
+        dst_rows = dst_np[:rows * block_bytes].reshape(rows, block_bytes)
+
+        def by_rows():
+            for i in range(rows):
+                np.copyto(dst_rows[i], src_rows[i])
+        copies = [by_rows]
     best = float("inf")
-    for copy in (lambda: dst.copy_(src), lambda: np.copyto(dst_np, src_np)):
+    for copy in copies:
         times = []
         for _ in range(repeats):
+            evict_cpu_caches()
             t0 = time.perf_counter()
             copy()
             times.append(time.perf_counter() - t0)
@@ -155,7 +188,8 @@ def bench_size(model, size: int, runs: int, budget: int, redis: RedisServer, res
     prompt = corpus_ids(model, size + SUFFIX)
     num_blocks = (size + SUFFIX) // BLOCK + 8
     row = results.setdefault(size, {"recompute": [], "device": [], "host": [], "lmdb": [], "redis": [],
-                                    "lmdb_cold": [], "bw": {}, "memcpy_bw": {}, "fincore": []})
+                                    "lmdb_cold": [], "bw": {}, "memcpy_bw": {}, "memcpy_rows_bw": {},
+                                    "fincore": []})
     redis_py.Redis.from_url(redis.url).flushdb()
     workdir = tempfile.mkdtemp(prefix="corekv-rvr-")
     block_bytes = 30 * 2 * 3 * BLOCK * 64 * 4  # SmolLM2-135M float32; checked against the pool below
@@ -186,6 +220,8 @@ def bench_size(model, size: int, runs: int, budget: int, redis: RedisServer, res
                     seconds, nbytes = timer.records[-1]
                     row["bw"].setdefault(kind, []).append(nbytes / seconds)
                     row["memcpy_bw"].setdefault(kind, []).append(nbytes / memcpy_seconds(nbytes))
+                    row["memcpy_rows_bw"].setdefault(kind, []).append(
+                        nbytes / memcpy_seconds(nbytes, block_bytes=block_bytes))
                 print(f"size {size} {salt}: done ({time.strftime('%H:%M:%S')}, load {os.getloadavg()[0]:.2f})",
                       file=sys.stderr, flush=True)
         # (d') cold: the engine closed (LMDB unmapped), the data file dropped from the page cache,
@@ -238,6 +274,7 @@ def summarize(results: dict) -> list[dict]:
         for kind, values in r["memcpy_bw"].items():
             out[f"memcpy_GBps_{kind}"] = med(values) / 1e9
         out["memcpy_GBps"] = med([v for vs in r["memcpy_bw"].values() for v in vs]) / 1e9
+        out["memcpy_rows_GBps"] = med([v for vs in r["memcpy_rows_bw"].values() for v in vs]) / 1e9
         out["fincore_before_after"] = r["fincore"]
         rows.append(out)
     return rows
@@ -251,12 +288,14 @@ def markdown(rows: list[dict]) -> str:
         cells = [f"{r[f'{k}_s']:.3f} ({r[f'{k}_speedup']:.1f}x)" for k in ("device", "host", "lmdb", "lmdb_cold", "redis")]
         lines.append(f"| {r['prefix_tokens']} | {r['kv_bytes'] / 1e6:.1f} | {r['recompute_s']:.3f} | " + " | ".join(cells) + " |")
     lines += ["", "| prefix tokens | host GB/s | lmdb warm GB/s | lmdb cold GB/s | redis GB/s | memcpy GB/s "
-              "| host / memcpy | lmdb / memcpy | redis / memcpy |", "|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+              "| memcpy by block GB/s | host / memcpy, by block | lmdb warm / memcpy, by block "
+              "| redis / memcpy, by block |",
+              "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
-        m = r["memcpy_GBps"]
+        hot, cold = r["memcpy_GBps"], r["memcpy_rows_GBps"]
+        ratios = [f"{r[f'{k}_GBps'] / hot:.0%}, {r[f'{k}_GBps'] / cold:.0%}" for k in ("host", "lmdb", "redis")]
         lines.append(f"| {r['prefix_tokens']} | {r['host_GBps']:.2f} | {r['lmdb_GBps']:.2f} | {r['lmdb_cold_GBps']:.2f} "
-                     f"| {r['redis_GBps']:.2f} | {m:.2f} | {r['host_GBps'] / m:.0%} | {r['lmdb_GBps'] / m:.0%} "
-                     f"| {r['redis_GBps'] / m:.0%} |")
+                     f"| {r['redis_GBps']:.2f} | {hot:.2f} | {cold:.2f} | " + " | ".join(ratios) + " |")
     return "\n".join(lines)
 
 
