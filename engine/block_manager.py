@@ -155,9 +155,9 @@ class BlockManager:
                 private_key = None
         seq.swap = SwapState(num_full, num_computed, private_key)
 
-    def drop_swap(self, seq: Sequence) -> None:
-        """``seq`` finished while waiting (aborted): drop its prefetch and, if it was swapped out,
-        delete its private partial block from the tier."""
+    def release_waiting(self, seq: Sequence) -> None:
+        """``seq`` finished while waiting (aborted): drop what it holds outside the pool, its
+        prefetch and, if it was swapped out, its private partial block in the tier."""
         prefetch = self.prefetches.pop(seq, None)
         if prefetch is not None:
             self.cache_manager.drop_prefetch(prefetch)

@@ -243,7 +243,7 @@ class Scheduler:
             self.running.remove(seq)
         elif seq.status is SequenceStatus.WAITING:
             self.waiting.remove(seq)
-            self.blocks.drop_swap(seq)  # aborted while swapped out: free its private block
+            self.blocks.release_waiting(seq)  # aborted: its prefetch, its swapped-out partial block
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
         seq.finish_time = time.perf_counter()
