@@ -294,10 +294,18 @@ def main():
     ap.add_argument("--threads", type=int, default=0, help="torch intra-op threads (default: torch's)")
     ap.add_argument("--profile", action="store_true")
     ap.add_argument("--render", default=None, help="print the markdown tables of a --json file and exit")
+    ap.add_argument("--dump-prompts", default=None, metavar="FILE",
+                    help="write the W1 and W2 prompts' token ids as JSON ({'W1': [...], 'W2': [...]}) and exit "
+                         "(benchmarks/vllm_w1_w2.py runs vLLM on them)")
     args = ap.parse_args()
     args.workloads = args.workloads.split(",")
     if args.render:
         print(render_markdown(json.loads(Path(args.render).read_text())))
+        return
+    if args.dump_prompts:
+        # NOTE: built by the same functions the timed runs use, so a peer system gets the exact token ids.
+        loaded = load_model("smollm2-135m-instruct", dtype="float32", device="cpu")
+        Path(args.dump_prompts).write_text(json.dumps({"W1": w1_prompts(loaded), "W2": w2_prompts(loaded)}))
         return
     torch.set_grad_enabled(False)
     if args.threads:
