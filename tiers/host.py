@@ -74,12 +74,14 @@ class HostTier(Tier):
 
     def _visit_entries(self, keys: list[BlockHash], visit) -> None:
         # NOTE: views straight into the arena are safe here: the caller holds the tier's lock,
-        # so no put can reuse a slot before visit() has copied it out.
+        # so no put can reuse a slot before visit() has copied them out.
+        found = []
         for index, key in enumerate(keys):
             slot = self.key_to_slot.get(key)
             if slot is not None:
                 self.key_to_slot.move_to_end(key)
-                visit(index, self._rows[slot, :self.slot_lengths[slot]])
+                found.append((index, self._rows[slot, :self.slot_lengths[slot]]))
+        visit(found)
 
     def _write_entries(self, items) -> int:
         for key, parts in items:

@@ -118,15 +118,16 @@ class LMDBTier(Tier):
 
     def _visit_entries(self, keys: list[BlockHash], visit) -> None:
         # NOTE: with buffers=True an entry is a view of LMDB's map, valid until the read
-        # transaction ends; visit() copies it out before that, so a reload copies only once.
-        now, hit_keys = time.time_ns(), []
+        # transaction ends; visit() copies them out before that, so a reload copies only once.
+        now, hit_keys, found = time.time_ns(), [], []
         try:
             with self.env.begin(buffers=True) as txn:
                 for index, key in enumerate(keys):
                     entry = txn.get(self._key_prefix + key, db=self._blocks)
                     if entry is not None:
                         hit_keys.append(self._key_prefix + key)
-                        visit(index, entry)
+                        found.append((index, entry))
+                visit(found)
         except lmdb.Error as e:
             self._count_error("read", e)
         for db_key in hit_keys:

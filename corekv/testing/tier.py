@@ -94,6 +94,20 @@ class TierTests:
         assert tier.get_into([key], list(out)) == [False]
         assert not out.any() and tier.stats()["faults"] == 1 and tier.exists([key]) == 0
 
+    def test_get_into_rejects_a_bad_entry_among_good_ones(self, tier):
+        """Several hits are checked on the verify thread while the previous one is copied: a
+        corrupt entry in the middle is still a miss with its buffer untouched."""
+        keys = make_keys(4)
+        tier.put([(k, block_payload(k, self.block_bytes)) for k in keys])
+        entry = bytearray(tier.codec.encode(block_payload(keys[1], self.block_bytes)))
+        entry[len(entry) // 2] ^= 1
+        replace_raw(tier, keys[1], bytes(entry))
+        out = np.zeros((4, self.block_bytes), dtype=np.uint8)
+        assert tier.get_into(keys, list(out)) == [True, False, True, True]
+        assert not out[1].any(), "a rejected entry wrote into its buffer"
+        assert [out[i].tobytes() for i in (0, 2, 3)] == [block_payload(keys[i], self.block_bytes) for i in (0, 2, 3)]
+        assert tier.stats()["faults"] == 1 and tier.exists(keys[1:2]) == 0
+
     @pytest.mark.parametrize("out, message", [
         ("short", "out\\[0\\] must be writable and hold"),
         ("readonly", "out\\[0\\] must be writable and hold"),
