@@ -292,10 +292,10 @@ def markdown(rows: list[dict]) -> str:
               "| redis / memcpy, by block |",
               "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
-        hot, cold = r["memcpy_GBps"], r["memcpy_rows_GBps"]
-        ratios = [f"{r[f'{k}_GBps'] / hot:.0%}, {r[f'{k}_GBps'] / cold:.0%}" for k in ("host", "lmdb", "redis")]
+        whole, by_block = r["memcpy_GBps"], r["memcpy_rows_GBps"]
+        ratios = [f"{r[f'{k}_GBps'] / whole:.0%}, {r[f'{k}_GBps'] / by_block:.0%}" for k in ("host", "lmdb", "redis")]
         lines.append(f"| {r['prefix_tokens']} | {r['host_GBps']:.2f} | {r['lmdb_GBps']:.2f} | {r['lmdb_cold_GBps']:.2f} "
-                     f"| {r['redis_GBps']:.2f} | {hot:.2f} | {cold:.2f} | " + " | ".join(ratios) + " |")
+                     f"| {r['redis_GBps']:.2f} | {whole:.2f} | {by_block:.2f} | " + " | ".join(ratios) + " |")
     return "\n".join(lines)
 
 

@@ -10,10 +10,10 @@ instead; a job that is running is told to stop after its current tier call and w
 the manager loads the blocks it did not reach: a block is never fetched twice.
 
 NOTE: a job admission would wait for is stopped rather than finished because the engine thread
-has nothing else to do meanwhile: loading the rest itself, straight into the pool blocks, is
-faster than waiting for the background thread (measured at 2K tokens from the host tier: ~20 ms
-either way when the job was cancelled, 23-34 ms when admission waited for the whole job:
-a staging copy per block, and the two threads trading the GIL).
+has nothing else to do meanwhile and can load the rest straight into the pool blocks itself.
+Measured at 2K tokens from the host tier (with the other core busy): 23-34 ms when admission
+waited for the whole job, 22-30 ms when it stopped the job, ~20 ms when the job had not started;
+the gain is mostly simplicity (no handing of pool blocks to a running job).
 
 NOTE: staged bytes are keyed by chained block hashes, which name a block's whole prefix, so they
 stay right whatever happens to the device cache or the tiers meanwhile: the manager only

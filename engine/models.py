@@ -267,8 +267,9 @@ def _transpose_linear_weights(hf_model: Any) -> None:
 
     NOTE: measured on this CPU (1 thread, torch 2.13): ``F.linear`` with this layout takes 0.62-0.76x
     the time at 5-32 rows (a decode batch: the GEMM no longer repacks the weight every call), the
-    same at 1 row and at 512 (prefill). bfloat16 showed no gain and CUDA has its own kernels, so
-    only float32 on CPU changes. Weights shared with an embedding (tied ``lm_head``) keep the
+    same at 1 row and at 512 (prefill). End to end at 2 threads it is a wash on W1/W2 with torch's
+    GNU OpenMP and a few percent ahead with Intel's (BENCHMARKS.md, session 3). bfloat16 showed no
+    gain and CUDA has its own kernels, so only float32 on CPU changes. Weights shared with an embedding (tied ``lm_head``) keep the
     row-major layout the embedding lookup needs.
     """
     import torch
