@@ -48,6 +48,9 @@ class EngineConfig:
     enable_prefix_caching: bool = _field(True, "reuse cached prefixes across requests")
     enable_chunked_prefill: bool = _field(True, "split long prompts across steps so decodes keep "
                                           "running; off: a prompt is prefilled in one step")
+    tune_cpu_malloc: bool = _field(True, "on a CPU device with glibc: keep freed activation "
+                                   "buffers in the heap (mallopt) instead of page-faulting them in "
+                                   "again every layer; off: leave the process's malloc as it is")
 
 
 @dataclass(frozen=True)

@@ -20,6 +20,7 @@ from corekv.errors import ConfigError, CoreKVError
 from corekv.hashing import PrefixKey, chain_seed
 from corekv.plugin import make_plugin_manager
 from corekv.engine.block_manager import BlockManager
+from corekv.engine.cpu_malloc import tune_glibc_malloc
 from corekv.engine.engine_api import EngineAPI
 from corekv.engine.detokenizer import IncrementalDetokenizer
 from corekv.engine.kv_pool import KVPool
@@ -62,6 +63,8 @@ class Engine(EngineAPI):
         self.model = model or load_model(config.model, dtype=config.dtype, device=config.device,
                                          plugin_manager=self.plugin_manager)
         m = self.model
+        if ecfg.tune_cpu_malloc and m.device.type == "cpu":
+            tune_glibc_malloc()
         self.block_size = ecfg.block_size
         num_blocks = ecfg.num_blocks or KVPool.num_blocks_for_memory(
             ecfg.kv_cache_memory, num_layers=m.num_layers, block_size=ecfg.block_size,
