@@ -244,7 +244,7 @@ def prepare_model(hf_model: Any, tokenizer: Any, *, device: Any, attention: str 
     hf_model.set_attn_implementation(attention or ATTENTION_NAME)
     hf_model.to(device).eval()
     hf_model.requires_grad_(False)
-    _transpose_linear_weights(hf_model)
+    _prepare_linear_weights(hf_model)
     num_heads = config.num_attention_heads
     return LoadedModel(
         model=hf_model,
@@ -261,26 +261,46 @@ def prepare_model(hf_model: Any, tokenizer: Any, *, device: Any, attention: str 
     )
 
 
-def _transpose_linear_weights(hf_model: Any) -> None:
-    """Store each float32 CPU ``nn.Linear`` weight ``[out, in]`` as the transposed view of a
-    contiguous ``[in, out]`` tensor: same values and shape, so every code path reads it as before.
+def _prepare_linear_weights(hf_model: Any) -> None:
+    """Lay out each CPU ``nn.Linear`` weight for the GEMM that reads it; results are unchanged.
 
-    NOTE: measured on this CPU (1 thread, torch 2.13): ``F.linear`` with this layout takes 0.62-0.76x
-    the time at 5-32 rows (a decode batch: the GEMM no longer repacks the weight every call), the
-    same at 1 row and at 512 (prefill). End to end at 2 threads it is a wash on W1/W2 with torch's
-    GNU OpenMP and a few percent ahead with Intel's (BENCHMARKS.md, session 3). bfloat16 showed no
-    gain and CUDA has its own kernels, so only float32 on CPU changes. Weights shared with an embedding (tied ``lm_head``) keep the
-    row-major layout the embedding lookup needs.
+    * float32: the weight ``[out, in]`` becomes the transposed view of a contiguous ``[in, out]``
+      tensor (same values and shape, so every code path reads it as before). Weights shared with an
+      embedding (tied ``lm_head``) keep the row-major layout the embedding lookup needs.
+    * bfloat16: the module also gets a copy packed in oneDNN's blocked layout, and its ``forward``
+      runs oneDNN's matmul on it (``torch.ops.mkldnn._linear_pointwise``, what inductor uses for
+      frozen CPU linears). ``weight`` stays as loaded (state dict, fingerprint, tied embedding) and
+      must not be changed afterwards: the packed copy would not follow.
+
+    NOTE: measured on this CPU (2 threads, torch 2.13, all 30 layers' weights so they stream from
+    memory). float32 ``F.linear`` with the transposed layout: 0.91x the time at 32 rows, the same at
+    1-5 and 1,024 (oneDNN packing was no faster in float32). bfloat16 ``F.linear`` reorders the
+    weight into oneDNN's layout on every call; packing it once takes 0.75x the time at 1 row, 0.66x
+    at 5, 0.89x at 32 and 0.97x at 1,024 (BENCHMARKS.md, session 4). CUDA has its own kernels.
     """
     import torch
 
     embedding = hf_model.get_input_embeddings()
     shared = {id(embedding.weight)} if embedding is not None else set()
+    pack_bf16 = torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
     for module in hf_model.modules():
         weight = getattr(module, "weight", None)
-        if (isinstance(module, torch.nn.Linear) and id(weight) not in shared and weight.dtype == torch.float32
-                and weight.device.type == "cpu" and weight.is_contiguous()):
+        if not isinstance(module, torch.nn.Linear) or weight.device.type != "cpu":
+            continue
+        if weight.dtype == torch.float32 and id(weight) not in shared and weight.is_contiguous():
             weight.data = weight.data.t().contiguous().t()
+        elif weight.dtype == torch.bfloat16 and pack_bf16:
+            module.forward = _onednn_linear(torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 32),
+                                            module.bias)
+
+
+def _onednn_linear(packed: Any, bias: Any):
+    """``forward`` of a Linear whose weight is ``packed`` by ``torch.ops.mkldnn._reorder_linear_weight``."""
+    import torch
+
+    def forward(x):
+        return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+    return forward
 
 
 def model_fingerprint(hf_model: Any) -> str:

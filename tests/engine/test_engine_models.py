@@ -106,8 +106,20 @@ def test_float32_cpu_linear_weights_are_stored_transposed_with_the_same_values(t
     assert smollm2.model.lm_head.weight is smollm2.model.get_input_embeddings().weight
     assert smollm2.model.lm_head.weight.is_contiguous()
     assert not smollm2.model.model.layers[0].mlp.up_proj.weight.is_contiguous()
-    # bfloat16 gains nothing from it: left as loaded
+    # bfloat16 keeps its weights as loaded (it runs on packed copies, below)
     assert make_tiny_llama(dtype="bfloat16").model.lm_head.weight.is_contiguous()
+
+
+@pytest.mark.skipif(not torch.ops.mkldnn._is_mkldnn_bf16_supported(), reason="this CPU has no oneDNN bfloat16")
+def test_bfloat16_cpu_linears_run_on_onednn_packed_weights_with_the_same_results():
+    loaded = make_tiny_llama(dtype="bfloat16")
+    linears = [(n, m) for n, m in loaded.model.named_modules() if isinstance(m, torch.nn.Linear)]
+    assert linears and all("forward" in vars(m) for _, m in linears)  # every Linear got the packed forward
+    x = torch.randn(3, 5, loaded.model.config.hidden_size, dtype=torch.bfloat16)
+    for name, module in linears:
+        if module.in_features == x.shape[-1]:
+            assert torch.equal(module(x), torch.nn.functional.linear(x, module.weight, module.bias)), name
+    assert "forward" not in vars(make_tiny_llama().model.lm_head)  # float32 is not packed
 
 
 # ---- architectures that cannot be served -----------------------------------------------------
