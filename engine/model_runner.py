@@ -33,6 +33,15 @@ class ScheduledChunk:
     block_table: list[int]
 
 
+#: decodes sharing leading blocks take the cascade path only when it saves gathering at least this
+#: many tokens' KV per layer, i.e. (rows - 1) * shared tokens.
+#: NOTE: measured on SmolLM2 float32 at 2 threads (BENCHMARKS.md, session 4): W1's five decodes
+#: sharing 9 blocks (576 tokens saved) ran wave 2 in 1.62-1.69 s plain vs 1.75 s as a cascade (an
+#: extra attention call and the merge cost more than the gather saved); W2's 32 decodes sharing
+#: 24 blocks (11,904 tokens saved) take 37 ms of attention per step as a cascade vs 58 ms plain.
+CASCADE_MIN_SAVED_TOKENS = 1024
+
+
 class ModelRunner:
     """Runs a :class:`LoadedModel` over a :class:`KVPool` (shapes, dtype and device must match).
 
@@ -40,7 +49,11 @@ class ModelRunner:
     blocks named in the chunks' block tables.
     """
 
-    def __init__(self, loaded: LoadedModel, kv_pool: KVPool) -> None:
+    def __init__(self, loaded: LoadedModel, kv_pool: KVPool, *,
+                 cascade_min_saved_tokens: int = CASCADE_MIN_SAVED_TOKENS) -> None:
+        if not isinstance(cascade_min_saved_tokens, int) or cascade_min_saved_tokens < 0:
+            raise CoreKVError(f"ModelRunner: cascade_min_saved_tokens must be an int >= 0, got "
+                              f"{cascade_min_saved_tokens!r}; 0 takes the cascade path for any shared block")
         expected = (loaded.num_layers, loaded.num_kv_heads, loaded.head_dim, loaded.dtype, loaded.device)
         got = (kv_pool.num_layers, kv_pool.num_kv_heads, kv_pool.head_dim, kv_pool.dtype, kv_pool.device)
         if expected != got:
@@ -56,6 +69,7 @@ class ModelRunner:
         self.block_size = kv_pool.block_size
         self.device = kv_pool.device
         self._gather_buffers: dict[str, torch.Tensor] = {}
+        self._cascade_min_saved_blocks = -(-cascade_min_saved_tokens // self.block_size)
 
     @torch.inference_mode()
     def execute(self, chunks: Sequence[ScheduledChunk]) -> torch.Tensor:
@@ -68,7 +82,8 @@ class ModelRunner:
         # layout back to the caller's order.
         bs = self.block_size
         decode_ids = [i for i, c in enumerate(chunks) if len(c.token_ids) == 1]
-        groups = cascade_groups([chunks[i].block_table[:chunks[i].start_pos // bs + 1] for i in decode_ids])
+        groups = cascade_groups([chunks[i].block_table[:chunks[i].start_pos // bs + 1] for i in decode_ids],
+                                min_saved_blocks=self._cascade_min_saved_blocks)
         order = [decode_ids[row] for rows, _ in groups for row in rows]
         order += [i for i, c in enumerate(chunks) if len(c.token_ids) != 1]
         ordered = [chunks[i] for i in order]
@@ -113,8 +128,12 @@ class ModelRunner:
             start, n = starts[i], lengths[i]
             mask = None
             if start:
+                # NOTE: additive (0 / -inf) in the pool's dtype, built once per step: a boolean mask
+                # is converted to this by SDPA in every layer.
                 query_pos = torch.arange(start, start + n)
-                mask = (torch.arange(start + n)[None] <= query_pos[:, None])[None, None].to(device)
+                hidden = torch.arange(start + n)[None] > query_pos[:, None]
+                mask = torch.zeros(hidden.shape, dtype=self.kv_pool.dtype).masked_fill_(hidden, float("-inf"))
+                mask = mask[None, None].to(device)
             begin = int(token_starts[i])
             prefills.append(PrefillSlice(begin, begin + n, start, start + n,
                                          torch.tensor(tables[i], dtype=torch.long, device=device), mask))
@@ -171,11 +190,12 @@ class ModelRunner:
                 )
 
 
-def cascade_groups(tables: list[list[int]]) -> list[tuple[list[int], int]]:
+def cascade_groups(tables: list[list[int]], *, min_saved_blocks: int = 0) -> list[tuple[list[int], int]]:
     """Partition decode rows (their block tables, each ending with its query's block) into
     ``(rows, num_shared_blocks)`` groups: rows starting with the same block form a group that
     attends its common leading blocks once (``num_shared_blocks >= 1``, and every row keeps at
-    least its last block of its own); the remaining rows form one last group with 0.
+    least its last block of its own) when that saves gathering at least ``min_saved_blocks``
+    blocks (``(rows - 1) * num_shared_blocks``); the remaining rows form one last group with 0.
 
     NOTE: the common prefix of a group is the prefix of all its rows, so one row that diverges
     early shortens it for the whole group; prompts that share a prefix share all of its blocks (the
@@ -191,7 +211,7 @@ def cascade_groups(tables: list[list[int]]) -> list[tuple[list[int], int]]:
         if len(rows) > 1:
             group_tables = [tables[r] for r in rows]
             num_shared = min(len(commonprefix(group_tables)), min(len(t) for t in group_tables) - 1)
-        if num_shared:
+        if num_shared and (len(rows) - 1) * num_shared >= min_saved_blocks:
             groups.append((rows, num_shared))
         else:
             plain += rows

@@ -13,13 +13,15 @@ import torch
 
 from corekv.errors import CoreKVError
 from corekv.engine.kv_pool import KVPool
-from corekv.engine.model_runner import ModelRunner, ScheduledChunk, cascade_groups
+from corekv.engine.model_runner import CASCADE_MIN_SAVED_TOKENS, ModelRunner, ScheduledChunk, cascade_groups
 
 
-def make_runner(loaded, num_blocks=64, block_size=16):
+def make_runner(loaded, num_blocks=64, block_size=16, cascade_min_saved_tokens=0):
+    """A runner whose decodes take the cascade path for any shared block (these tests' groups are
+    far smaller than the engine's default threshold)."""
     pool = KVPool(loaded.num_layers, num_blocks, block_size, loaded.num_kv_heads, loaded.head_dim,
                   loaded.dtype, loaded.device)
-    return ModelRunner(loaded, pool)
+    return ModelRunner(loaded, pool, cascade_min_saved_tokens=cascade_min_saved_tokens)
 
 
 def reference_logits(loaded, hf_attention, token_ids):
@@ -246,6 +248,29 @@ def test_cascade_groups_share_the_common_leading_blocks_of_rows_with_the_same_fi
     assert cascade_groups([[4, 5], [4, 5]]) == [([0, 1], 1)]
     assert cascade_groups([[4], [4]]) == [([0, 1], 0)]
     assert cascade_groups([[4, 5, 6]]) == [([0], 0)]
+    # a group whose cascade would save gathering fewer than min_saved_blocks blocks stays plain
+    assert cascade_groups(tables, min_saved_blocks=2) == [([0, 2, 4], 2), ([1, 3, 5, 6], 0)]
+    assert cascade_groups(tables, min_saved_blocks=5) == [([0, 1, 2, 3, 4, 5, 6], 0)]
+
+
+def test_small_decode_groups_take_the_plain_path_by_default_and_match_the_cascade(tiny_llama):
+    """With the default threshold three decodes sharing three blocks are not worth a cascade; the
+    plain path gives the same logits as the cascade path."""
+    shared = random_ids(60, 48)
+    seqs = [shared + random_ids(61 + i, n) for i, n in enumerate((3, 20, 40))]
+    tables = [[17, 3, 11] + [20 + 3 * i, 21 + 3 * i, 22 + 3 * i] for i in range(3)]
+    results = []
+    for threshold in (CASCADE_MIN_SAVED_TOKENS, 0):
+        runner = make_runner(tiny_llama, num_blocks=32, block_size=16, cascade_min_saved_tokens=threshold)
+        runner.execute([ScheduledChunk(s[:-1], 0, t) for s, t in zip(seqs, tables)])
+        groups = []
+        original = runner._decode_group
+        runner._decode_group = lambda *a: groups.append(a[-1]) or original(*a)
+        results.append(runner.execute([ScheduledChunk([s[-1]], len(s) - 1, t) for s, t in zip(seqs, tables)]))
+        assert groups == ([0] if threshold else [3])  # shared blocks per decode group
+    torch.testing.assert_close(results[0], results[1], rtol=1e-5, atol=1e-5)
+    with pytest.raises(CoreKVError, match="cascade_min_saved_tokens"):
+        make_runner(tiny_llama, cascade_min_saved_tokens=-1)
 
 
 def test_decodes_in_two_prefix_groups_and_a_loner_match_hf(tiny_llama, hf_attention):
