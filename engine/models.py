@@ -269,14 +269,21 @@ def _prepare_linear_weights(hf_model: Any) -> None:
       embedding (tied ``lm_head``) keep the row-major layout the embedding lookup needs.
     * bfloat16: the module also gets a copy packed in oneDNN's blocked layout, and its ``forward``
       runs oneDNN's matmul on it (``torch.ops.mkldnn._linear_pointwise``, what inductor uses for
-      frozen CPU linears). ``weight`` stays as loaded (state dict, fingerprint, tied embedding) and
-      must not be changed afterwards: the packed copy would not follow.
+      frozen CPU linears) for fewer than :data:`BF16_UPCAST_MIN_ROWS` rows; more rows (a prefill)
+      are multiplied in float32 and rounded back to bfloat16. ``weight`` stays as loaded (state
+      dict, fingerprint, tied embedding) and must not be changed afterwards: the packed copy would
+      not follow.
 
     NOTE: measured on this CPU (2 threads, torch 2.13, all 30 layers' weights so they stream from
     memory). float32 ``F.linear`` with the transposed layout: 0.91x the time at 32 rows, the same at
     1-5 and 1,024 (oneDNN packing was no faster in float32). bfloat16 ``F.linear`` reorders the
     weight into oneDNN's layout on every call; packing it once takes 0.75x the time at 1 row, 0.66x
-    at 5, 0.89x at 32 and 0.97x at 1,024 (BENCHMARKS.md, session 4). CUDA has its own kernels.
+    at 5, 0.89x at 32 and 0.97x at 1,024. This CPU has no AMX: its bfloat16 dot products are no
+    faster than float32 FMAs, so a 1,024-row bfloat16 GEMM took 1.7x the float32 one; upcasting
+    input and weight per call takes 0.6x the packed time at 1,024 rows, 0.76x at 128 and the same
+    at 64 (BENCHMARKS.md, session 4). Each product of two bfloat16 values is exact in float32 and
+    oneDNN's bfloat16 GEMM accumulates in float32 too, so the two paths differ only in summation
+    order and the final rounding. CUDA has its own kernels.
     """
     import torch
 
@@ -290,15 +297,24 @@ def _prepare_linear_weights(hf_model: Any) -> None:
         if weight.dtype == torch.float32 and id(weight) not in shared and weight.is_contiguous():
             weight.data = weight.data.t().contiguous().t()
         elif weight.dtype == torch.bfloat16 and pack_bf16:
-            module.forward = _onednn_linear(torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 32),
-                                            module.bias)
+            module.forward = _bfloat16_linear(weight.detach(), module.bias)
 
 
-def _onednn_linear(packed: Any, bias: Any):
-    """``forward`` of a Linear whose weight is ``packed`` by ``torch.ops.mkldnn._reorder_linear_weight``."""
+#: a bfloat16 CPU Linear called with at least this many rows multiplies in float32 (see above)
+BF16_UPCAST_MIN_ROWS = 128
+
+
+def _bfloat16_linear(weight: Any, bias: Any):
+    """``forward`` of a bfloat16 CPU Linear: oneDNN on a packed copy, or float32 for many rows."""
     import torch
+    import torch.nn.functional as F
+
+    packed = torch.ops.mkldnn._reorder_linear_weight(weight, 32)
+    in_features = weight.shape[1]
 
     def forward(x):
+        if x.numel() >= BF16_UPCAST_MIN_ROWS * in_features:
+            return F.linear(x.float(), weight.float(), None if bias is None else bias.float()).to(x.dtype)
         return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
     return forward
 

@@ -115,10 +115,20 @@ def test_bfloat16_cpu_linears_run_on_onednn_packed_weights_with_the_same_results
     loaded = make_tiny_llama(dtype="bfloat16")
     linears = [(n, m) for n, m in loaded.model.named_modules() if isinstance(m, torch.nn.Linear)]
     assert linears and all("forward" in vars(m) for _, m in linears)  # every Linear got the packed forward
-    x = torch.randn(3, 5, loaded.model.config.hidden_size, dtype=torch.bfloat16)
+    hidden = loaded.model.config.hidden_size
+    few = torch.randn(3, 5, hidden, dtype=torch.bfloat16)
+    many = torch.randn(1, models.BF16_UPCAST_MIN_ROWS, hidden, dtype=torch.bfloat16)
     for name, module in linears:
-        if module.in_features == x.shape[-1]:
-            assert torch.equal(module(x), torch.nn.functional.linear(x, module.weight, module.bias)), name
+        if module.in_features == hidden:
+            # few rows: oneDNN on the packed copy, bit for bit F.linear's result
+            assert torch.equal(module(few), torch.nn.functional.linear(few, module.weight, module.bias)), name
+            # many rows: float32 products and sums rounded once, within a bfloat16 rounding of F.linear's
+            got, ref = module(many), torch.nn.functional.linear(many, module.weight, module.bias)
+            assert got.dtype == torch.bfloat16 and got.shape == ref.shape, name
+            torch.testing.assert_close(got.float(), ref.float(), rtol=2 ** -7, atol=1e-2)
+            bias = None if module.bias is None else module.bias.float()
+            exact = torch.nn.functional.linear(many.float(), module.weight.float(), bias)
+            assert torch.equal(got, exact.to(torch.bfloat16)), name
     assert "forward" not in vars(make_tiny_llama().model.lm_head)  # float32 is not packed
 
 
