@@ -46,6 +46,22 @@ class PrefillSlice:
 
 
 @dataclass
+class PrefillGroup:
+    """``num_chunks`` prefill chunks of equal length, adjacent in the flattened batch (tokens
+    ``[token_start, token_end)``), each starting right after the same cached ``shared_blocks``.
+
+    Their queries attend the shared blocks in one call, and each chunk attends itself causally in
+    one batched call; the two partial results merge through their log-sum-exps (as for decodes).
+    """
+
+    token_start: int
+    token_end: int
+    num_chunks: int
+    #: long [num_shared_blocks]
+    shared_blocks: torch.Tensor
+
+
+@dataclass
 class DecodeGroup:
     """Decode rows ``[row_start, row_end)`` of the flattened batch (one token each).
 
@@ -78,6 +94,8 @@ class AttentionMetadata:
     slot_offsets: torch.Tensor
     num_decode_tokens: int = 0
     decode_groups: list[DecodeGroup] = field(default_factory=list)
+    #: the prefill chunks after the decodes: first the groups', then each remaining one's slice
+    prefill_groups: list[PrefillGroup] = field(default_factory=list)
     prefills: list[PrefillSlice] = field(default_factory=list)
     #: reusable gather buffers by name (owned by the runner, kept across steps; see ``_gather``)
     buffers: dict[str, torch.Tensor] = field(default_factory=dict)
@@ -128,6 +146,9 @@ def paged_attention_forward(
             out[rows] = _decode_attention(q[rows], k_cache, v_cache, group, meta.buffers, scaling).reshape(
                 group.row_end - group.row_start, num_heads, head_dim)
 
+    for group in meta.prefill_groups:
+        out[group.token_start:group.token_end] = _prefill_group_attention(
+            query, key, value, k_cache, v_cache, group, meta.buffers, scaling)
     gqa = num_heads != num_kv_heads
     for chunk in meta.prefills:
         q = query[:, :, chunk.token_start:chunk.token_end]
@@ -156,29 +177,75 @@ def _decode_attention(q, k_cache, v_cache, group: DecodeGroup, buffers: dict, sc
     # sequence. The two partial results merge exactly through their log-sum-exps. This cuts the
     # bytes a decode step moves through memory roughly by the shared fraction of the context.
     batch, num_kv_heads, q_per_kv, head_dim = q.shape
-    shared = group.shared_blocks[None]
-    k_shared = _gather(k_cache, shared, buffers, "k_shared")
-    v_shared = _gather(v_cache, shared, buffers, "v_shared")
-    q_shared = q.permute(1, 0, 2, 3).reshape(1, num_kv_heads, batch * q_per_kv, head_dim)
-    out_shared, lse_shared = _attention_with_lse(q_shared, k_shared, v_shared, None, scaling)
+    out_shared, lse_shared = _shared_attention(q.permute(1, 0, 2, 3).reshape(1, num_kv_heads, -1, head_dim),
+                                               k_cache, v_cache, group.shared_blocks, buffers, scaling)
     out_shared = out_shared.view(num_kv_heads, batch, q_per_kv, head_dim).transpose(0, 1)
     lse_shared = lse_shared.view(num_kv_heads, batch, q_per_kv).transpose(0, 1)
     out_own, lse_own = _attention_with_lse(q, k, v, group.mask, scaling)
-    # NOTE: the shared part's weight exp(lse_s) / (exp(lse_s) + exp(lse_o)) is sigmoid(lse_s - lse_o):
-    # three small ops instead of the seven of the log-sum-exp form (a W2 decode layer: 0.96 -> 0.91 ms).
-    weight = torch.sigmoid(lse_shared - lse_own)[..., None]
-    return torch.lerp(out_own.float(), out_shared.float(), weight).to(q.dtype)
+    return _merge(out_shared, lse_shared, out_own, lse_own).to(q.dtype)
 
 
-def _attention_with_lse(q, k, v, mask, scaling):
-    """``(softmax(q k^T * scale + mask) v, logsumexp)``; ``mask`` is additive (0 / -inf) or None."""
+def _prefill_group_attention(query, key, value, k_cache, v_cache, group: PrefillGroup, buffers: dict,
+                             scaling) -> torch.Tensor:
+    """``[tokens, num_heads, head_dim]`` attention of one :class:`PrefillGroup`'s chunks.
+
+    NOTE: W2's shape (8 chunks of 128 tokens after 384 shared ones, one layer) took 6.5 ms this way
+    against 7.9 ms for eight masked calls over gathered contexts (BENCHMARKS.md, session 4): the
+    shared part is one large call, the causal part one batched call, and no mask is built.
+    """
+    tokens = slice(group.token_start, group.token_end)
+    _, num_heads, _, head_dim = query.shape
+    num_kv_heads = key.shape[1]
+    num_tokens = group.token_end - group.token_start
+    rows = query[0, :, tokens]  # [H, T, D]; query heads h*G .. h*G+G-1 read KV head h
+    out_shared, lse_shared = _shared_attention(rows.reshape(1, num_kv_heads, -1, head_dim), k_cache, v_cache,
+                                               group.shared_blocks, buffers, scaling)
+    # each chunk causally over itself, the chunks as the batch (flash attention reads KV heads as is)
+    m, n = group.num_chunks, num_tokens // group.num_chunks
+    out_own, lse_own = _attention_with_lse(rows.view(num_heads, m, n, head_dim).transpose(0, 1),
+                                           key[0, :, tokens].view(num_kv_heads, m, n, head_dim).transpose(0, 1),
+                                           value[0, :, tokens].view(num_kv_heads, m, n, head_dim).transpose(0, 1),
+                                           None, scaling, is_causal=True)
+    merged = _merge(out_shared.reshape(num_heads, num_tokens, head_dim), lse_shared.reshape(num_heads, num_tokens),
+                    out_own.transpose(0, 1).reshape(num_heads, num_tokens, head_dim),
+                    lse_own.transpose(0, 1).reshape(num_heads, num_tokens))
+    return merged.transpose(0, 1)
+
+
+def _shared_attention(rows, k_cache, v_cache, blocks, buffers: dict, scaling):
+    """Query ``rows`` ``[1, num_kv_heads, R, head_dim]`` (all rows of a KV head together) over the
+    cached ``blocks`` (gathered once): ``(out [1, num_kv_heads, R, head_dim], lse [1, num_kv_heads, R])``."""
+    k = _gather(k_cache, blocks[None], buffers, "k_shared")
+    v = _gather(v_cache, blocks[None], buffers, "v_shared")
+    return _attention_with_lse(rows, k, v, None, scaling)
+
+
+def _merge(out_a, lse_a, out_b, lse_b) -> torch.Tensor:
+    """Attention over the union of two key sets from the parts' outputs and log-sum-exps (float32).
+
+    NOTE: part a's weight exp(lse_a) / (exp(lse_a) + exp(lse_b)) is sigmoid(lse_a - lse_b): three
+    small ops instead of the seven of the log-sum-exp form (a W2 decode layer: 0.96 -> 0.91 ms).
+    """
+    weight = torch.sigmoid(lse_a - lse_b)[..., None]
+    return torch.lerp(out_b.float(), out_a.float(), weight)
+
+
+def _attention_with_lse(q, k, v, mask, scaling, is_causal=False):
+    """``(softmax(q k^T * scale + mask) v, logsumexp)``; ``mask`` is additive (0 / -inf) or None;
+    ``is_causal`` (square ``q``/``k`` only) hides each query's later keys. ``k``/``v`` may have
+    fewer heads than ``q`` (grouped-query attention: query head h reads KV head h // group)."""
     if q.device.type == "cpu":
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-            q.contiguous(), k, v, attn_mask=mask, scale=scaling)
+            q.contiguous(), k, v, is_causal=is_causal, attn_mask=mask, scale=scaling)
         return out, lse
+    if k.shape[-3] != q.shape[-3]:
+        k = k.repeat_interleave(q.shape[-3] // k.shape[-3], dim=-3)
+        v = v.repeat_interleave(q.shape[-3] // v.shape[-3], dim=-3)
     scores = torch.matmul(q, k.transpose(-1, -2)).float() * scaling
     if mask is not None:
         scores = scores + mask
+    if is_causal:
+        scores = scores.masked_fill(torch.ones_like(scores, dtype=torch.bool).triu(1), float("-inf"))
     lse = torch.logsumexp(scores, dim=-1)
     return torch.matmul(torch.exp(scores - lse[..., None]).to(v.dtype), v), lse
 

@@ -15,7 +15,8 @@ from os.path import commonprefix
 import torch
 
 from corekv.errors import CoreKVError
-from corekv.engine.attention import ATTENTION_NAME, METADATA_KWARG, AttentionMetadata, DecodeGroup, PrefillSlice
+from corekv.engine.attention import (ATTENTION_NAME, METADATA_KWARG, AttentionMetadata, DecodeGroup, PrefillGroup,
+                                     PrefillSlice)
 from corekv.engine.kv_pool import KVPool
 from corekv.engine.models import LoadedModel
 
@@ -33,8 +34,8 @@ class ScheduledChunk:
     block_table: list[int]
 
 
-#: decodes sharing leading blocks take the cascade path only when it saves gathering at least this
-#: many tokens' KV per layer, i.e. (rows - 1) * shared tokens.
+#: decodes (or equal prefill chunks) sharing leading blocks take the cascade path only when it saves
+#: gathering at least this many tokens' KV per layer, i.e. (rows - 1) * shared tokens.
 #: NOTE: measured on SmolLM2 float32 at 2 threads (BENCHMARKS.md, session 4): W1's five decodes
 #: sharing 9 blocks (576 tokens saved) ran wave 2 in 1.62-1.69 s plain vs 1.75 s as a cascade (an
 #: extra attention call and the merge cost more than the gather saved); W2's 32 decodes sharing
@@ -85,9 +86,11 @@ class ModelRunner:
         groups = cascade_groups([chunks[i].block_table[:chunks[i].start_pos // bs + 1] for i in decode_ids],
                                 min_saved_blocks=self._cascade_min_saved_blocks)
         order = [decode_ids[row] for rows, _ in groups for row in rows]
-        order += [i for i, c in enumerate(chunks) if len(c.token_ids) != 1]
+        prefill_groups, plain_prefills = self._prefill_groups(chunks)
+        order += [i for ids, _ in prefill_groups for i in ids] + plain_prefills
         ordered = [chunks[i] for i in order]
-        meta, input_ids, positions, last_index = self._prepare(ordered, [(len(rows), n) for rows, n in groups])
+        meta, input_ids, positions, last_index = self._prepare(ordered, [(len(rows), n) for rows, n in groups],
+                                                               [(len(ids), n) for ids, n in prefill_groups])
         out = self.model(input_ids=input_ids[None], position_ids=positions[None], use_cache=False,
                          logits_to_keep=last_index, **{METADATA_KWARG: meta})
         if meta.num_layer_calls != self.loaded.num_layers:
@@ -101,7 +104,30 @@ class ModelRunner:
         result[torch.tensor(order, device=logits.device)] = logits
         return result
 
-    def _prepare(self, chunks: list[ScheduledChunk], group_sizes: list[tuple[int, int]]):
+    def _prefill_groups(self, chunks: Sequence[ScheduledChunk]) -> tuple[list[tuple[list[int], int]], list[int]]:
+        """``([(chunk ids, num_shared_blocks)], other prefill ids)``: prefill chunks of the same length
+        that start right after the same cached blocks form a group (see :class:`PrefillGroup`) when
+        that saves gathering at least the cascade threshold; the others keep their own masked call."""
+        bs = self.block_size
+        by_key: dict[tuple, list[int]] = {}
+        plain = []
+        for i, chunk in enumerate(chunks):
+            if len(chunk.token_ids) == 1:
+                continue
+            if chunk.start_pos and chunk.start_pos % bs == 0:
+                by_key.setdefault((tuple(chunk.block_table[:chunk.start_pos // bs]), len(chunk.token_ids)), []).append(i)
+            else:
+                plain.append(i)
+        groups = []
+        for (shared, _), ids in by_key.items():
+            if len(ids) > 1 and (len(ids) - 1) * len(shared) >= self._cascade_min_saved_blocks:
+                groups.append((ids, len(shared)))
+            else:
+                plain += ids
+        return groups, sorted(plain)
+
+    def _prepare(self, chunks: list[ScheduledChunk], group_sizes: list[tuple[int, int]],
+                 prefill_group_sizes: list[tuple[int, int]]):
         bs, device = self.block_size, self.device
         lengths = [len(c.token_ids) for c in chunks]
         starts = [c.start_pos for c in chunks]
@@ -123,8 +149,15 @@ class ModelRunner:
             decode_groups.append(self._decode_group(row, tables[row:row + num_rows], starts[row:row + num_rows],
                                                     num_shared))
             row += num_rows
+        prefill_groups, first_plain = [], num_decode
+        for num_chunks, num_shared in prefill_group_sizes:
+            begin = int(token_starts[first_plain])
+            prefill_groups.append(PrefillGroup(
+                begin, begin + num_chunks * lengths[first_plain], num_chunks,
+                torch.tensor(tables[first_plain][:num_shared], dtype=torch.long, device=device)))
+            first_plain += num_chunks
         prefills = []
-        for i in range(num_decode, len(chunks)):
+        for i in range(first_plain, len(chunks)):
             start, n = starts[i], lengths[i]
             mask = None
             if start:
@@ -143,6 +176,7 @@ class ModelRunner:
             slot_offsets=(positions % bs).to(device),
             num_decode_tokens=num_decode,
             decode_groups=decode_groups,
+            prefill_groups=prefill_groups,
             prefills=prefills,
             buffers=self._gather_buffers,
         )

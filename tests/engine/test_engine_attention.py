@@ -273,6 +273,31 @@ def test_small_decode_groups_take_the_plain_path_by_default_and_match_the_cascad
         make_runner(tiny_llama, cascade_min_saved_tokens=-1)
 
 
+def test_equal_prefill_chunks_after_the_same_cached_blocks_take_the_group_path_and_match_hf(tiny_llama, hf_attention):
+    """W2's shape in small: prompts sharing a cached prefix, their equal-length remainders in one
+    step. Those form a PrefillGroup (shared blocks attended once, one batched causal call); a
+    chunk of another length and one starting mid-block keep their own masked call. Every chunk's
+    logits match HF's, and the group's match the masked path's."""
+    shared = random_ids(70, 48)  # three blocks of 16, computed once
+    tails = [random_ids(71 + i, n) for i, n in enumerate((20, 20, 20, 9))]
+    offcut = random_ids(79, 60)  # its second chunk starts at position 40: mid-block
+    results = []
+    for threshold in (0, 10**6):
+        runner = make_runner(tiny_llama, num_blocks=40, block_size=16, cascade_min_saved_tokens=threshold)
+        prefix_table = [30, 5, 12]
+        runner.execute([ScheduledChunk(shared, 0, prefix_table), ScheduledChunk(offcut[:40], 0, [1, 2, 3, 4])])
+        tables = [prefix_table + [14 + 2 * i, 15 + 2 * i] for i in range(len(tails))]
+        chunks = [ScheduledChunk(t, 48, table) for t, table in zip(tails, tables)]
+        chunks.insert(2, ScheduledChunk(offcut[40:], 40, [1, 2, 3, 4]))
+        groups, plain = runner._prefill_groups(chunks)
+        assert (groups, plain) == (([([0, 1, 3], 3)], [2, 4]) if threshold == 0 else ([], [0, 1, 2, 3, 4]))
+        results.append(runner.execute(chunks))
+    expected = [reference_logits(tiny_llama, hf_attention, shared + t)[-1] for t in tails]
+    expected.insert(2, reference_logits(tiny_llama, hf_attention, offcut)[-1])
+    torch.testing.assert_close(results[0], torch.stack(expected), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(results[0], results[1], rtol=1e-5, atol=1e-5)
+
+
 def test_decodes_in_two_prefix_groups_and_a_loner_match_hf(tiny_llama, hf_attention):
     """Two groups of decodes, each sharing its own prefix blocks, and one sequence sharing nothing,
     submitted interleaved: each group attends its prefix once, the loner takes the plain path, and
