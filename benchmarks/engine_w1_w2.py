@@ -96,9 +96,10 @@ def waves(name, prompts):
 
 
 # -- systems -----------------------------------------------------------------------------------
-def run_corekv(loaded, wave_list, max_new, ignore_eos, prefix_caching):
+def run_corekv(loaded, wave_list, max_new, ignore_eos, prefix_caching, compile=False):
     num_tokens = sum(len(p) + max_new for w in wave_list for p in w)
-    cfg = Config(engine=EngineConfig(num_blocks=num_tokens // 16 + 64, enable_prefix_caching=prefix_caching),
+    cfg = Config(engine=EngineConfig(num_blocks=num_tokens // 16 + 64, enable_prefix_caching=prefix_caching,
+                                     compile=compile),
                  cache=CacheConfig(backend="radix"))
     params = SamplingParams(max_tokens=max_new, temperature=0.0, ignore_eos=ignore_eos)
     tokens, ttfts, wave_times, computed = [], [], [], []
@@ -205,6 +206,12 @@ def bench_dtype(dtype, args, log):
     # warm-up (untimed): one short request through each system, so first-call costs are not timed.
     warm = [prompts["W1"][0][:64]]
     run_corekv(loaded, [warm], 2, False, True)
+    if not args.systems or "compiled" in args.systems:
+        # NOTE: the compiled system's graphs: steps of many tokens and of one, keeping one logit
+        # row or several (inductor specialises sizes 0 and 1); compiling takes ~30-60 s, untimed.
+        t0 = time.perf_counter()
+        run_corekv(loaded, [[warm[0], warm[0][:20]], [warm[0][10:40]]], 3, False, True, compile=True)
+        log(f"{dtype} compiled warm-up (compile) {time.perf_counter() - t0:.1f} s")
     run_hf_generate(loaded, [warm], 2, False)
     run_hf_cb(loaded, [warm], 2, False)
     sampler = RssSampler()
@@ -214,6 +221,8 @@ def bench_dtype(dtype, args, log):
         gen_runs = args.generate_w2_runs if wl == "W2" and args.generate_w2_runs else args.runs
         systems = [("hf generate (sequential, sdpa)", lambda: run_hf_generate(loaded, wl_waves, max_new, ignore_eos), gen_runs),
                    ("corekv (prefix caching on)", lambda: run_corekv(loaded, wl_waves, max_new, ignore_eos, True), args.runs)]
+        systems.append(("corekv (prefix caching on, compiled)",
+                        lambda: run_corekv(loaded, wl_waves, max_new, ignore_eos, True, compile=True), args.runs))
         if wl == "W2" or args.w1_nocache:
             systems.append(("corekv (prefix caching off)", lambda: run_corekv(loaded, wl_waves, max_new, ignore_eos, False),
                             args.nocache_w2_runs if wl == "W2" and args.nocache_w2_runs else args.runs))

@@ -8,13 +8,16 @@ modeling code dispatches through ``AttentionInterface`` runs unchanged.
 The batch layout is fixed by :class:`corekv.engine.model_runner.ModelRunner`: the first
 ``num_decode_tokens`` tokens are single-token chunks (decodes, batched per :class:`DecodeGroup` into
 one padded SDPA call, plus one for the group's shared leading blocks); the rest are prefill chunks
-(one SDPA call each, causal with their cached context).
+(per :class:`PrefillGroup` two calls, then one masked SDPA call for each other chunk).
 
-Called without ``corekv_metadata`` (e.g. by ``model.generate``) it is exactly transformers' SDPA
-attention, so a loaded model remains an ordinary Hugging Face model.
+The runner hands each step's :class:`AttentionMetadata` over through :func:`forward_context`.
+Called outside one (e.g. by ``model.generate``) it is exactly transformers' SDPA attention, so a
+loaded model remains an ordinary Hugging Face model.
 """
 from __future__ import annotations
 
+import threading
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
@@ -26,7 +29,6 @@ from corekv.engine.kv_pool import KVPool
 from corekv.errors import CoreKVError
 
 ATTENTION_NAME = "corekv_paged"
-METADATA_KWARG = "corekv_metadata"
 
 
 @dataclass
@@ -116,18 +118,68 @@ def paged_attention_forward(
 ) -> tuple[torch.Tensor, None]:
     """``query`` is ``[1, num_heads, T, head_dim]``, ``key``/``value`` ``[1, num_kv_heads, T, head_dim]``;
     returns ``([1, T, num_heads, head_dim], None)`` like transformers' own attention functions."""
-    meta: AttentionMetadata | None = kwargs.get(METADATA_KWARG)
+    if scaling is None:
+        scaling = query.shape[-1] ** -0.5
+    if torch.compiler.is_compiling():
+        # NOTE: traced by torch.compile (engine.compile): the paged path stays one opaque op, so the
+        # graph spans the whole decoder and the op reads the step's metadata when it runs.
+        _refuse_unsupported(module, kwargs)
+        return torch.ops.corekv.paged_attention(query, key, value, module.layer_idx, scaling), None
+    meta: AttentionMetadata | None = getattr(_step, "meta", None)
     if meta is None:
         return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling,
                                       dropout=dropout, **kwargs)
-    meta.num_layer_calls += 1
+    _refuse_unsupported(module, kwargs)
+    return _paged_attention(meta, module.layer_idx, query, key, value, scaling), None
+
+
+@contextmanager
+def forward_context(meta: AttentionMetadata):
+    """Every layer of the forward run inside reads ``meta`` (set by the model runner per step).
+
+    NOTE: a thread-local rather than a forward kwarg, so a compiled model's graph does not take
+    (and guard on) a new Python object every step.
+    """
+    _step.meta = meta
+    try:
+        yield
+    finally:
+        _step.meta = None
+
+
+_step = threading.local()
+
+
+def _refuse_unsupported(module, kwargs) -> None:
     if kwargs.get("sliding_window") or kwargs.get("softcap") or getattr(module, "sinks", None) is not None:
         raise CoreKVError(
             f"{type(module).__name__} (layer {module.layer_idx}) asks for sliding-window, soft-capped or sink "
             "attention, which corekv's paged attention does not implement; serve a model with plain causal "
             "full attention"
         )
-    k_cache, v_cache = meta.kv_pool.layer_kv(module.layer_idx)
+
+
+@torch.library.custom_op("corekv::paged_attention", mutates_args=())
+def _paged_attention_op(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layer_idx: int,
+                        scaling: float) -> torch.Tensor:
+    """:func:`_paged_attention` as one op for compiled graphs (it writes the pool, which the graph
+    never sees: the pool is not an input, and layers are ordered by their data dependence)."""
+    meta = getattr(_step, "meta", None)
+    if meta is None:
+        raise CoreKVError("a model compiled for corekv (engine.compile) ran outside a ModelRunner step; "
+                          "call the uncompiled model (LoadedModel.model) for plain Hugging Face use")
+    return _paged_attention(meta, layer_idx, query, key, value, scaling)
+
+
+@_paged_attention_op.register_fake
+def _(query, key, value, layer_idx, scaling):
+    return query.new_empty(query.shape[0], query.shape[2], query.shape[1], query.shape[3])
+
+
+def _paged_attention(meta: AttentionMetadata, layer_idx: int, query, key, value, scaling) -> torch.Tensor:
+    """Write this step's K/V into the pool, then attend: ``[1, T, num_heads, head_dim]``."""
+    meta.num_layer_calls += 1
+    k_cache, v_cache = meta.kv_pool.layer_kv(layer_idx)
     _, num_heads, num_tokens, head_dim = query.shape
     num_kv_heads = key.shape[1]
     # NOTE: the projections are laid out [T, heads, dim] in memory; these transposes are views.
@@ -162,7 +214,7 @@ def paged_attention_forward(
             v = _gather(v_cache, table, meta.buffers, "v")[:, :, :chunk.context_len]
             o = F.scaled_dot_product_attention(q, k, v, attn_mask=chunk.mask, scale=scaling, enable_gqa=gqa)
         out[chunk.token_start:chunk.token_end] = o[0].transpose(0, 1)
-    return out[None], None
+    return out[None]
 
 
 def _decode_attention(q, k_cache, v_cache, group: DecodeGroup, buffers: dict, scaling) -> torch.Tensor:

@@ -74,7 +74,7 @@ class Engine(EngineAPI):
         self.backend = self._make_backend(num_blocks)
         self.cache_manager = make_cache_manager(config.cache, self.plugin_manager, self.model,
                                                 self.kv_pool, self.backend)
-        self.runner = ModelRunner(m, self.kv_pool)
+        self.runner = ModelRunner(m, self.kv_pool, compile=ecfg.compile)
         self.sampler = Sampler()
         # NOTE: chunked prefill is on unless the config says otherwise (EngineConfig may not carry
         # the switch; a config subclass or a later version can).

@@ -15,8 +15,8 @@ from os.path import commonprefix
 import torch
 
 from corekv.errors import CoreKVError
-from corekv.engine.attention import (ATTENTION_NAME, METADATA_KWARG, AttentionMetadata, DecodeGroup, PrefillGroup,
-                                     PrefillSlice)
+from corekv.engine.attention import (ATTENTION_NAME, AttentionMetadata, DecodeGroup, PrefillGroup, PrefillSlice,
+                                     forward_context)
 from corekv.engine.kv_pool import KVPool
 from corekv.engine.models import LoadedModel
 
@@ -51,7 +51,7 @@ class ModelRunner:
     """
 
     def __init__(self, loaded: LoadedModel, kv_pool: KVPool, *,
-                 cascade_min_saved_tokens: int = CASCADE_MIN_SAVED_TOKENS) -> None:
+                 cascade_min_saved_tokens: int = CASCADE_MIN_SAVED_TOKENS, compile: bool = False) -> None:
         if not isinstance(cascade_min_saved_tokens, int) or cascade_min_saved_tokens < 0:
             raise CoreKVError(f"ModelRunner: cascade_min_saved_tokens must be an int >= 0, got "
                               f"{cascade_min_saved_tokens!r}; 0 takes the cascade path for any shared block")
@@ -71,6 +71,11 @@ class ModelRunner:
         self.device = kv_pool.device
         self._gather_buffers: dict[str, torch.Tensor] = {}
         self._cascade_min_saved_blocks = -(-cascade_min_saved_tokens // self.block_size)
+        if not isinstance(compile, bool):
+            raise CoreKVError(f"ModelRunner: compile must be True or False, got {compile!r}")
+        # NOTE: torch.compile wraps the model without changing it (a LoadedModel may be shared, and
+        # model.generate keeps running it eagerly); dynamic shapes, so steps of any size share a graph.
+        self._forward = torch.compile(self.model, dynamic=True) if compile else self.model
 
     @torch.inference_mode()
     def execute(self, chunks: Sequence[ScheduledChunk]) -> torch.Tensor:
@@ -91,8 +96,9 @@ class ModelRunner:
         ordered = [chunks[i] for i in order]
         meta, input_ids, positions, last_index = self._prepare(ordered, [(len(rows), n) for rows, n in groups],
                                                                [(len(ids), n) for ids, n in prefill_groups])
-        out = self.model(input_ids=input_ids[None], position_ids=positions[None], use_cache=False,
-                         logits_to_keep=last_index, **{METADATA_KWARG: meta})
+        with forward_context(meta):
+            out = self._forward(input_ids=input_ids[None], position_ids=positions[None], use_cache=False,
+                                logits_to_keep=last_index)
         if meta.num_layer_calls != self.loaded.num_layers:
             raise CoreKVError(
                 f"{type(self.model).__name__} ran corekv's paged attention in {meta.num_layer_calls} of "

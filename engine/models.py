@@ -315,6 +315,8 @@ def _bfloat16_linear(weight: Any, bias: Any):
     def forward(x):
         if x.numel() >= BF16_UPCAST_MIN_ROWS * in_features:
             return F.linear(x.float(), weight.float(), None if bias is None else bias.float()).to(x.dtype)
+        if torch.compiler.is_compiling():  # NOTE: inductor cannot lower oneDNN's op on a packed constant
+            return F.linear(x, weight, bias)
         return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
     return forward
 

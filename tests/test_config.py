@@ -75,7 +75,7 @@ MESSAGES = [
     ({"engine": {"blok_size": 16}},
      "engine.blok_size: unknown key (value 16); did you mean 'block_size'? Valid keys: block_size, "
      "kv_cache_memory, num_blocks, max_num_seqs, max_num_batched_tokens, scheduling, preemption, "
-     "enable_prefix_caching, enable_chunked_prefill, tune_cpu_malloc"),
+     "enable_prefix_caching, enable_chunked_prefill, compile, tune_cpu_malloc"),
     ({"modle": "x"},
      "modle: unknown key (value 'x'); did you mean 'model'? Valid keys: model, dtype, device, "
      "engine, cache, kv_events, plugins"),
@@ -138,7 +138,7 @@ MESSAGES = [
      "cache.pinned[0].chat: got true with token_ids; expected chat: true only with text (token ids "
      "are used as given)"),
     ({"engine": []}, "engine: got []; expected a mapping with keys block_size, kv_cache_memory, "
-     "num_blocks, max_num_seqs, max_num_batched_tokens, scheduling, preemption, enable_prefix_caching, enable_chunked_prefill, tune_cpu_malloc"),
+     "num_blocks, max_num_seqs, max_num_batched_tokens, scheduling, preemption, enable_prefix_caching, enable_chunked_prefill, compile, tune_cpu_malloc"),
 ]
 
 
@@ -517,6 +517,7 @@ engine_fields = st.fixed_dictionaries({}, optional={
     "preemption": st.sampled_from(["recompute", "swap"]),
     "enable_prefix_caching": st.booleans(),
     "enable_chunked_prefill": st.booleans(),
+    "compile": st.booleans(),
     "tune_cpu_malloc": st.booleans(),
 })
 
