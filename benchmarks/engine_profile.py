@@ -70,9 +70,9 @@ def profile_decode(dtype, log, num_steps=20):
         engine = _decoding_engine(loaded, prompts, 2 + 3 * num_steps + 8)
         sched, runner = engine.scheduler, engine.runner
         timers = dict(schedule=_Timed(sched.schedule), execute=_Timed(runner.execute), prepare=_Timed(runner._prepare),
-                      forward=_Timed(runner.model), sample=_Timed(engine._sample), postprocess=_Timed(sched.postprocess))
+                      forward=_Timed(runner._forward), sample=_Timed(engine._sample), postprocess=_Timed(sched.postprocess))
         sched.schedule, runner.execute, runner._prepare = timers["schedule"], timers["execute"], timers["prepare"]
-        runner.model, engine._sample, sched.postprocess = timers["forward"], timers["sample"], timers["postprocess"]
+        runner._forward, engine._sample, sched.postprocess = timers["forward"], timers["sample"], timers["postprocess"]
         t0 = time.perf_counter()
         for _ in range(num_steps):
             engine.step()
