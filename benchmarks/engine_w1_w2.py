@@ -207,8 +207,8 @@ def bench_dtype(dtype, args, log):
     warm = [prompts["W1"][0][:64]]
     run_corekv(loaded, [warm], 2, False, True)
     if not args.systems or "compiled" in args.systems:
-        # NOTE: the compiled system's graphs: steps of many tokens and of one, keeping one logit
-        # row or several (inductor specialises sizes 0 and 1); compiling takes ~30-60 s, untimed.
+        # NOTE: the compiled engine compiles its step shapes when built (ModelRunner.warm_up);
+        # the first build per dtype pays for it (1-2 minutes here), untimed.
         t0 = time.perf_counter()
         run_corekv(loaded, [[warm[0], warm[0][:20]], [warm[0][10:40]]], 3, False, True, compile=True)
         log(f"{dtype} compiled warm-up (compile) {time.perf_counter() - t0:.1f} s")

@@ -75,6 +75,8 @@ class Engine(EngineAPI):
         self.cache_manager = make_cache_manager(config.cache, self.plugin_manager, self.model,
                                                 self.kv_pool, self.backend)
         self.runner = ModelRunner(m, self.kv_pool, compile=ecfg.compile)
+        if ecfg.compile:
+            self.runner.warm_up()  # NOTE: before any KV is cached: it writes into the first blocks
         self.sampler = Sampler()
         # NOTE: chunked prefill is on unless the config says otherwise (EngineConfig may not carry
         # the switch; a config subclass or a later version can).

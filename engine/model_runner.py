@@ -110,6 +110,22 @@ class ModelRunner:
         result[torch.tensor(order, device=logits.device)] = logits
         return result
 
+    def warm_up(self) -> None:
+        """Run the step shapes a compiled forward specialises on (1 token; 2 or more; 128 or more,
+        where bfloat16 linears switch kernels; one logit row or several) through the model once, so
+        compiling happens now rather than in the first requests. Writes only into blocks 0.. of
+        the pool, so call it before the pool holds KV anyone will read (as the engine does)."""
+        bs = self.block_size
+        max_blocks = min(self.kv_pool.num_blocks, -(-256 // bs))
+        if max_blocks < 2:
+            return  # too small a pool to stage the shapes; the first steps compile instead
+        room = max_blocks * bs // 2  # tokens per chunk when two chunks share the staged blocks
+        blocks = list(range(max_blocks))
+        half = max_blocks // 2
+        for lengths in ((1,), (1, 1), (2,), (min(room, 200),), (min(room, 100), min(room, 100))):
+            tables = [blocks[:half], blocks[half:]] if len(lengths) == 2 else [blocks]
+            self.execute([ScheduledChunk([0] * n, 0, table) for n, table in zip(lengths, tables)])
+
     def _prefill_groups(self, chunks: Sequence[ScheduledChunk]) -> tuple[list[tuple[list[int], int]], list[int]]:
         """``([(chunk ids, num_shared_blocks)], other prefill ids)``: prefill chunks of the same length
         that start right after the same cached blocks form a group (see :class:`PrefillGroup`) when

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch._dynamo.utils import counters
 
 from corekv.config import CacheConfig, Config, EngineConfig
 from corekv.engine.llm_engine import Engine
@@ -20,9 +21,11 @@ def test_compiled_engine_serves_generates_tokens_and_leaves_the_model_eager(tiny
     prompts = [shared + [20, 21, 22], shared + [30] * 9, [40, 41, 42, 43, 44]]
     cfg = Config(model="tiny", engine=EngineConfig(num_blocks=64, block_size=16, max_num_batched_tokens=64,
                                                    compile=True), cache=CacheConfig(backend="radix"))
-    engine = Engine(cfg, model=tiny_llama)
+    engine = Engine(cfg, model=tiny_llama)  # compiles: the runner warms up the step shapes
     assert engine.runner._forward is not tiny_llama.model
+    graphs = dict(counters["stats"])
     got = [o.token_ids for o in engine.generate(prompts, GREEDY)]
+    assert dict(counters["stats"]) == graphs  # serving compiled nothing new: the warm-up covered it
     expected = []
     with hf_attention(tiny_llama) as model, torch.no_grad():
         for p in prompts:

@@ -1,0 +1,114 @@
+"""The CPU kernel choices behind corekv's engine, measured at SmolLM2-135M's shapes (session 4).
+
+    python benchmarks/cpu_kernels.py [--threads 2] [--repeats 5]
+
+* ``linears``: one decoder step's seven Linear weights of all 30 layers (so they stream from memory
+  as in the engine) at 1, 5, 32, 128 and 1,024 rows: ``F.linear`` on the row-major weight, on the
+  transposed layout corekv stores for float32, on a oneDNN-packed copy, and (bfloat16) multiplied
+  in float32 after upcasting input and weight (what corekv does from 128 rows).
+* ``prefill attention``: W2's step shape (8 chunks of 128 tokens after a shared 384-token cached
+  prefix, 9 query and 3 KV heads of 64, one layer): eight masked SDPA calls over gathered contexts
+  (corekv's path for single chunks) against a :class:`PrefillGroup`-style shared call plus one
+  batched causal call merged through log-sum-exps.
+
+Medians of ``--repeats`` runs, milliseconds; each table's ratios are against its first column.
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+import torch.nn.functional as F
+
+SHAPES = ((576, 576), (192, 576), (192, 576), (576, 576), (1536, 576), (1536, 576), (576, 1536))
+flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+
+
+def median_ms(fn, repeats):
+    fn()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times) * 1e3
+
+
+def linears(dtype, repeats):
+    layers = [[torch.randn(n, k).to(dtype) for n, k in SHAPES] for _ in range(30)]
+    variants = {"F.linear": (layers, lambda x, w: F.linear(x, w))}
+    if dtype == torch.float32:
+        variants["transposed layout"] = ([[w.t().contiguous().t() for w in layer] for layer in layers],
+                                         lambda x, w: F.linear(x, w))
+    packed = [[torch.ops.mkldnn._reorder_linear_weight(w, 32) for w in layer] for layer in layers]
+    variants["oneDNN packed"] = (packed, lambda x, p: torch.ops.mkldnn._linear_pointwise(x, p, None, "none", [], ""))
+    if dtype == torch.bfloat16:
+        variants["float32 upcast"] = (layers, lambda x, w: F.linear(x.float(), w.float()).to(dtype))
+    rows = []
+    for m in (1, 5, 32, 128, 1024):
+        inputs = {k: torch.randn(m, k).to(dtype) for k in (576, 1536)}
+        times = {}
+        for name, (weights, op) in variants.items():
+            times[name] = median_ms(lambda: [op(inputs[k], w) for layer in weights
+                                              for w, (_, k) in zip(layer, SHAPES)], repeats)
+        rows.append((m, times))
+    names = list(variants)
+    lines = [f"**Linears of 30 layers, {str(dtype).split('.')[1]}** (ms; ratio to {names[0]})", "",
+             "| rows | " + " | ".join(names) + " |", "|---:|" + "---:|" * len(names)]
+    for m, times in rows:
+        base = times[names[0]]
+        lines.append(f"| {m} | " + " | ".join(f"{times[n]:.1f} ({times[n] / base:.2f}x)" for n in names) + " |")
+    return "\n".join(lines)
+
+
+def prefill_attention(repeats):
+    heads, kv_heads, dim, n, shared, chunks = 9, 3, 64, 128, 384, 8
+    tokens = n * chunks
+    query = torch.randn(1, tokens, heads, dim).transpose(1, 2)
+    key = torch.randn(1, tokens, kv_heads, dim).transpose(1, 2)
+    value = torch.randn(1, tokens, kv_heads, dim).transpose(1, 2)
+    k_cached, v_cached = torch.randn(1, kv_heads, shared, dim), torch.randn(1, kv_heads, shared, dim)
+    hidden = torch.arange(shared + n)[None] > torch.arange(shared, shared + n)[:, None]
+    mask = torch.zeros(hidden.shape).masked_fill_(hidden, float("-inf"))[None, None]
+    contexts = [(torch.cat([k_cached, key[:, :, i * n:(i + 1) * n]], 2),
+                 torch.cat([v_cached, value[:, :, i * n:(i + 1) * n]], 2)) for i in range(chunks)]
+
+    def masked():
+        return [F.scaled_dot_product_attention(query[:, :, i * n:(i + 1) * n], k, v, attn_mask=mask, enable_gqa=True)
+                for i, (k, v) in enumerate(contexts)]
+
+    def grouped():
+        out_s, lse_s = flash(query[0].reshape(1, kv_heads, -1, dim), k_cached, v_cached)
+        out_c, lse_c = flash(query[0].view(heads, chunks, n, dim).transpose(0, 1),
+                             key[0].view(kv_heads, chunks, n, dim).transpose(0, 1),
+                             value[0].view(kv_heads, chunks, n, dim).transpose(0, 1), is_causal=True)
+        weight = torch.sigmoid(lse_s.reshape(heads, tokens) - lse_c.transpose(0, 1).reshape(heads, tokens))
+        return torch.lerp(out_c.transpose(0, 1).reshape(heads, tokens, dim), out_s.reshape(heads, tokens, dim),
+                          weight[..., None])
+
+    expected = torch.cat([o[0] for o in masked()], 1)
+    assert torch.allclose(grouped(), expected, atol=1e-5), "the grouped path must compute the same attention"
+    a, b = median_ms(masked, repeats), median_ms(grouped, repeats)
+    return ("**Prefill attention, W2's step shape, one layer, float32** (ms)\n\n"
+            "| 8 masked calls over gathered contexts | shared call + batched causal call + merge |\n|---:|---:|\n"
+            f"| {a:.2f} | {b:.2f} ({b / a:.2f}x) |")
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--repeats", type=int, default=5)
+    args = ap.parse_args()
+    if args.threads < 1 or args.repeats < 1:
+        raise SystemExit(f"--threads and --repeats must be >= 1, got {args.threads} and {args.repeats}")
+    torch.set_num_threads(args.threads)
+    print(f"torch {torch.__version__}, {args.threads} threads, medians of {args.repeats}\n")
+    for dtype in (torch.float32, torch.bfloat16):
+        print(linears(dtype, args.repeats), "\n", flush=True)
+    print(prefill_attention(max(args.repeats, 20)))
+
+
+if __name__ == "__main__":
+    main()
