@@ -96,10 +96,15 @@ def waves(name, prompts):
 
 
 # -- systems -----------------------------------------------------------------------------------
+#: engine.tune_cpu_malloc for every corekv engine here (--no-malloc-tuning turns it off, e.g. to
+#: compare glibc settings given through GLIBC_TUNABLES; mallopt's settings last for the process)
+TUNE_CPU_MALLOC = True
+
+
 def run_corekv(loaded, wave_list, max_new, ignore_eos, prefix_caching, compile=False):
     num_tokens = sum(len(p) + max_new for w in wave_list for p in w)
     cfg = Config(engine=EngineConfig(num_blocks=num_tokens // 16 + 64, enable_prefix_caching=prefix_caching,
-                                     compile=compile),
+                                     compile=compile, tune_cpu_malloc=TUNE_CPU_MALLOC),
                  cache=CacheConfig(backend="radix"))
     params = SamplingParams(max_tokens=max_new, temperature=0.0, ignore_eos=ignore_eos)
     tokens, ttfts, wave_times, computed = [], [], [], []
@@ -302,6 +307,8 @@ def main():
     ap.add_argument("--json", default=None, help="write the rows here")
     ap.add_argument("--threads", type=int, default=0, help="torch intra-op threads (default: torch's)")
     ap.add_argument("--profile", action="store_true")
+    ap.add_argument("--no-malloc-tuning", action="store_true",
+                    help="engine.tune_cpu_malloc off (glibc's malloc as the environment sets it)")
     ap.add_argument("--render", default=None, help="print the markdown tables of a --json file and exit")
     ap.add_argument("--dump-prompts", default=None, metavar="FILE",
                     help="write the W1 and W2 prompts' token ids as JSON ({'W1': [...], 'W2': [...]}) and exit "
@@ -319,6 +326,8 @@ def main():
     torch.set_grad_enabled(False)
     if args.threads:
         torch.set_num_threads(args.threads)
+    global TUNE_CPU_MALLOC
+    TUNE_CPU_MALLOC = not args.no_malloc_tuning
     log = lambda m: print(m, file=sys.stderr, flush=True)  # noqa: E731
     import corekv.engine
     # NOTE: under benchmarks/snapshot_head.sh the code measured is the snapshot's commit, not the tree's.

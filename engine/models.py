@@ -274,16 +274,16 @@ def _prepare_linear_weights(hf_model: Any) -> None:
       dict, fingerprint, tied embedding) and must not be changed afterwards: the packed copy would
       not follow.
 
-    NOTE: measured on this CPU (2 threads, torch 2.13, all 30 layers' weights so they stream from
-    memory). float32 ``F.linear`` with the transposed layout: 0.91x the time at 32 rows, the same at
-    1-5 and 1,024 (oneDNN packing was no faster in float32). bfloat16 ``F.linear`` reorders the
-    weight into oneDNN's layout on every call; packing it once takes 0.75x the time at 1 row, 0.66x
-    at 5, 0.89x at 32 and 0.97x at 1,024. This CPU has no AMX: its bfloat16 dot products are no
-    faster than float32 FMAs, so a 1,024-row bfloat16 GEMM took 1.7x the float32 one; upcasting
-    input and weight per call takes 0.6x the packed time at 1,024 rows, 0.76x at 128 and the same
-    at 64 (BENCHMARKS.md, session 4). Each product of two bfloat16 values is exact in float32 and
-    oneDNN's bfloat16 GEMM accumulates in float32 too, so the two paths differ only in summation
-    order and the final rounding. CUDA has its own kernels.
+    NOTE: measured on this CPU (``benchmarks/cpu_kernels.py``: 2 threads, torch 2.13, all 30 layers'
+    weights so they stream from memory). float32 ``F.linear`` with the transposed layout: 0.87-1.04x
+    the time from 1 to 1,024 rows across runs (a wash end to end; oneDNN packing was no better).
+    bfloat16 ``F.linear`` reorders the weight into oneDNN's layout on every call; packing it once
+    takes 0.72x the time at 1 row, 0.63x at 5, 0.83x at 32 and 0.97x at 1,024. This CPU has no AMX:
+    its bfloat16 dot products are no faster than float32 FMAs, so a 1,024-row bfloat16 GEMM took
+    1.8x the float32 one; upcasting input and weight per call takes 0.63x the packed time at 1,024
+    rows, 0.77x at 128 and about the same at 64 (BENCHMARKS.md, session 4). Each product of two
+    bfloat16 values is exact in float32 and oneDNN's bfloat16 GEMM accumulates in float32 too, so
+    the two paths differ only in summation order and the final rounding. CUDA has its own kernels.
     """
     import torch
 
