@@ -18,92 +18,16 @@ from __future__ import annotations
 
 import threading
 from contextlib import contextmanager
-from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-from corekv.engine.kv_pool import KVPool
+from corekv.engine.step_metadata import AttentionMetadata, DecodeGroup, PrefillGroup
 from corekv.errors import CoreKVError
 
 ATTENTION_NAME = "corekv_paged"
-
-
-@dataclass
-class PrefillSlice:
-    """One prefill chunk inside the flattened batch: tokens ``[token_start, token_end)`` sit at
-    positions ``start_pos ..`` of their sequence, whose first ``context_len`` positions (cached
-    ones included) are in ``block_table`` after this step's write."""
-
-    token_start: int
-    token_end: int
-    start_pos: int
-    context_len: int
-    #: long [num_blocks covering context_len] (unused when start_pos == 0)
-    block_table: torch.Tensor
-    #: additive (0 / -inf) [1, 1, num_tokens, context_len]; None when start_pos == 0 (plain causal)
-    mask: torch.Tensor | None
-
-
-@dataclass
-class PrefillGroup:
-    """``num_chunks`` prefill chunks of equal length, adjacent in the flattened batch (tokens
-    ``[token_start, token_end)``), each starting right after the same cached ``shared_blocks``.
-
-    Their queries attend the shared blocks in one call, and each chunk attends itself causally in
-    one batched call; the two partial results merge through their log-sum-exps (as for decodes).
-    """
-
-    token_start: int
-    token_end: int
-    num_chunks: int
-    #: long [num_shared_blocks]
-    shared_blocks: torch.Tensor
-
-
-@dataclass
-class DecodeGroup:
-    """Decode rows ``[row_start, row_end)`` of the flattened batch (one token each).
-
-    Invariants: row ``r``'s blocks are ``shared_blocks`` (blocks every row of the group starts
-    with, or None) followed by its row of ``block_tables``; rows are padded with block 0 and the
-    padding is masked out by the additive ``mask`` (0 / -inf, None when every row is exactly full);
-    each row holds at least the block of its query token.
-    """
-
-    row_start: int
-    row_end: int
-    #: long [rows, num_blocks]
-    block_tables: torch.Tensor
-    #: additive [rows, 1, 1, num_blocks * block_size] or None
-    mask: torch.Tensor | None = None
-    #: long [num_shared_blocks] or None
-    shared_blocks: torch.Tensor | None = None
-
-
-@dataclass
-class AttentionMetadata:
-    """Per-forward description of the batch; built once per step, read by every layer.
-
-    Invariants: ``slot_block_ids[t], slot_offsets[t]`` is token ``t``'s slot; decode tokens come
-    first, and ``decode_groups`` cover rows ``0 .. num_decode_tokens - 1`` exactly once, in order.
-    """
-
-    kv_pool: KVPool
-    slot_block_ids: torch.Tensor
-    slot_offsets: torch.Tensor
-    num_decode_tokens: int = 0
-    decode_groups: list[DecodeGroup] = field(default_factory=list)
-    #: the prefill chunks after the decodes: first the groups', then each remaining one's slice
-    prefill_groups: list[PrefillGroup] = field(default_factory=list)
-    prefills: list[PrefillSlice] = field(default_factory=list)
-    #: reusable gather buffers by name (owned by the runner, kept across steps; see ``_gather``)
-    buffers: dict[str, torch.Tensor] = field(default_factory=dict)
-    #: attention calls seen this forward; the runner checks it equals the number of layers, so a
-    #: model that bypasses the AttentionInterface fails loudly instead of leaving the pool unwritten
-    num_layer_calls: int = 0
 
 
 def paged_attention_forward(

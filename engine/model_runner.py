@@ -2,7 +2,7 @@
 
 The scheduler hands over :class:`ScheduledChunk` s; the runner flattens them into one
 ``[1, T]`` batch (decodes first, see :mod:`corekv.engine.attention`), builds the per-step
-:class:`~corekv.engine.attention.AttentionMetadata` with a few vectorised ops, runs the HF model
+:class:`~corekv.engine.step_metadata.AttentionMetadata` with a few vectorised ops, runs the HF model
 once, and returns the logits of each chunk's last token.
 """
 from __future__ import annotations
@@ -15,8 +15,8 @@ from os.path import commonprefix
 import torch
 
 from corekv.errors import CoreKVError
-from corekv.engine.attention import (ATTENTION_NAME, AttentionMetadata, DecodeGroup, PrefillGroup, PrefillSlice,
-                                     forward_context)
+from corekv.engine.attention import ATTENTION_NAME, forward_context
+from corekv.engine.step_metadata import AttentionMetadata, DecodeGroup, PrefillGroup, PrefillSlice
 from corekv.engine.kv_pool import KVPool
 from corekv.engine.models import LoadedModel
 
