@@ -76,7 +76,14 @@ class Engine(EngineAPI):
                                                 self.kv_pool, self.backend)
         self.runner = ModelRunner(m, self.kv_pool, compile=ecfg.compile)
         if ecfg.compile:
-            self.runner.warm_up()  # NOTE: before any KV is cached: it writes into the first blocks
+            try:
+                self.runner.warm_up()  # NOTE: before any KV is cached: it writes into the first blocks
+            except Exception as exc:  # torch.compile's failures come as many exception types
+                raise ConfigError(
+                    f"engine.compile: torch.compile could not compile {config.model} "
+                    f"({type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}); "
+                    "inductor needs a working C++ compiler (g++) on CPU, or set engine.compile: false"
+                ) from exc
         self.sampler = Sampler()
         # NOTE: chunked prefill is on unless the config says otherwise (EngineConfig may not carry
         # the switch; a config subclass or a later version can).

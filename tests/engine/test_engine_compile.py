@@ -3,6 +3,10 @@ with corekv's paged attention as one opaque op, serves the same greedy tokens as
 generate; the loaded model itself stays eager for plain Hugging Face use."""
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 from torch._dynamo.utils import counters
@@ -40,6 +44,26 @@ def test_compiled_engine_serves_generates_tokens_and_leaves_the_model_eager(tiny
     with torch.no_grad():
         assert tiny_llama.model(torch.tensor([[5, 6, 7]]), use_cache=False).logits.shape[-1] == tiny_llama.vocab_size
     engine.close()
+
+
+def test_compile_without_a_cpp_compiler_is_a_clear_config_error(tmp_path):
+    """A real inductor build pointed at a compiler that does not exist (in a fresh process with an
+    empty inductor cache, so nothing compiled earlier is reused)."""
+    code = (
+        "import torch._inductor.config as c; c.cpp.cxx = ('/nonexistent/c++',)\n"
+        "from corekv.config import Config, EngineConfig\n"
+        "from corekv.engine.llm_engine import Engine\n"
+        "from corekv.engine.models import make_tiny_llama\n"
+        "from corekv.errors import ConfigError\n"
+        "try:\n"
+        "    Engine(Config(model='tiny', engine=EngineConfig(num_blocks=16, compile=True)), model=make_tiny_llama())\n"
+        "except ConfigError as e:\n"
+        "    print('ERROR', e)\n"
+    )
+    env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "inductor"), TORCHINDUCTOR_FX_GRAPH_CACHE="0")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=600)
+    assert "ERROR engine.compile: torch.compile could not compile tiny" in out.stdout, out.stdout + out.stderr[-2000:]
+    assert "set engine.compile: false" in out.stdout
 
 
 def test_compile_flag_is_validated(tiny_llama):
