@@ -233,6 +233,7 @@ def reference_attention(loaded: LoadedModel, implementation: str = "sdpa"):
 def prepare_model(hf_model: Any, tokenizer: Any, *, device: Any, attention: str | None = None) -> LoadedModel:
     """Check, move and wrap an already built HF causal LM (used by :func:`load_model` and tests)."""
     from corekv.engine.attention import ATTENTION_NAME
+    from corekv.engine.cpu_linears import prepare_linear_weights
 
     config = hf_model.config
     check_architecture(config)
@@ -244,7 +245,7 @@ def prepare_model(hf_model: Any, tokenizer: Any, *, device: Any, attention: str 
     hf_model.set_attn_implementation(attention or ATTENTION_NAME)
     hf_model.to(device).eval()
     hf_model.requires_grad_(False)
-    _prepare_linear_weights(hf_model)
+    prepare_linear_weights(hf_model)
     num_heads = config.num_attention_heads
     return LoadedModel(
         model=hf_model,
@@ -259,66 +260,6 @@ def prepare_model(hf_model: Any, tokenizer: Any, *, device: Any, attention: str 
         device=torch_device_of(hf_model),
         eos_token_ids=frozenset(_eos_token_ids(hf_model, tokenizer)),
     )
-
-
-def _prepare_linear_weights(hf_model: Any) -> None:
-    """Lay out each CPU ``nn.Linear`` weight for the GEMM that reads it; results are unchanged.
-
-    * float32: the weight ``[out, in]`` becomes the transposed view of a contiguous ``[in, out]``
-      tensor (same values and shape, so every code path reads it as before). Weights shared with an
-      embedding (tied ``lm_head``) keep the row-major layout the embedding lookup needs.
-    * bfloat16: the module also gets a copy packed in oneDNN's blocked layout, and its ``forward``
-      runs oneDNN's matmul on it (``torch.ops.mkldnn._linear_pointwise``, what inductor uses for
-      frozen CPU linears) for fewer than :data:`BF16_UPCAST_MIN_ROWS` rows; more rows (a prefill)
-      are multiplied in float32 and rounded back to bfloat16. ``weight`` stays as loaded (state
-      dict, fingerprint, tied embedding) and must not be changed afterwards: the packed copy would
-      not follow.
-
-    NOTE: measured on this CPU (``benchmarks/cpu_kernels.py``: 2 threads, torch 2.13, all 30 layers'
-    weights so they stream from memory). float32 ``F.linear`` with the transposed layout: 0.87-1.04x
-    the time from 1 to 1,024 rows across runs (a wash end to end; oneDNN packing was no better).
-    bfloat16 ``F.linear`` reorders the weight into oneDNN's layout on every call; packing it once
-    takes 0.72x the time at 1 row, 0.63x at 5, 0.83x at 32 and 0.97x at 1,024. This CPU has no AMX:
-    its bfloat16 dot products are no faster than float32 FMAs, so a 1,024-row bfloat16 GEMM took
-    1.8x the float32 one; upcasting input and weight per call takes 0.63x the packed time at 1,024
-    rows, 0.77x at 128 and about the same at 64 (BENCHMARKS.md, session 4). Each product of two
-    bfloat16 values is exact in float32 and oneDNN's bfloat16 GEMM accumulates in float32 too, so
-    the two paths differ only in summation order and the final rounding. CUDA has its own kernels.
-    """
-    import torch
-
-    embedding = hf_model.get_input_embeddings()
-    shared = {id(embedding.weight)} if embedding is not None else set()
-    pack_bf16 = torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
-    for module in hf_model.modules():
-        weight = getattr(module, "weight", None)
-        if not isinstance(module, torch.nn.Linear) or weight.device.type != "cpu":
-            continue
-        if weight.dtype == torch.float32 and id(weight) not in shared and weight.is_contiguous():
-            weight.data = weight.data.t().contiguous().t()
-        elif weight.dtype == torch.bfloat16 and pack_bf16:
-            module.forward = _bfloat16_linear(weight.detach(), module.bias)
-
-
-#: a bfloat16 CPU Linear called with at least this many rows multiplies in float32 (see above)
-BF16_UPCAST_MIN_ROWS = 128
-
-
-def _bfloat16_linear(weight: Any, bias: Any):
-    """``forward`` of a bfloat16 CPU Linear: oneDNN on a packed copy, or float32 for many rows."""
-    import torch
-    import torch.nn.functional as F
-
-    packed = torch.ops.mkldnn._reorder_linear_weight(weight, 32)
-    in_features = weight.shape[1]
-
-    def forward(x):
-        if x.numel() >= BF16_UPCAST_MIN_ROWS * in_features:
-            return F.linear(x.float(), weight.float(), None if bias is None else bias.float()).to(x.dtype)
-        if torch.compiler.is_compiling():  # NOTE: inductor cannot lower oneDNN's op on a packed constant
-            return F.linear(x, weight, bias)
-        return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
-    return forward
 
 
 def model_fingerprint(hf_model: Any) -> str:

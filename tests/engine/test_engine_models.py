@@ -11,6 +11,7 @@ import torch
 
 from corekv.errors import CoreKVError
 from corekv.engine import models
+from corekv.engine.cpu_linears import BF16_UPCAST_MIN_ROWS
 from corekv.engine.models import check_architecture, load_model, make_tiny_llama
 
 
@@ -117,7 +118,7 @@ def test_bfloat16_cpu_linears_run_on_onednn_packed_weights_with_the_same_results
     assert linears and all("forward" in vars(m) for _, m in linears)  # every Linear got the packed forward
     hidden = loaded.model.config.hidden_size
     few = torch.randn(3, 5, hidden, dtype=torch.bfloat16)
-    many = torch.randn(1, models.BF16_UPCAST_MIN_ROWS, hidden, dtype=torch.bfloat16)
+    many = torch.randn(1, BF16_UPCAST_MIN_ROWS, hidden, dtype=torch.bfloat16)
     for name, module in linears:
         if module.in_features == hidden:
             # few rows: oneDNN on the packed copy, bit for bit F.linear's result
@@ -130,6 +131,11 @@ def test_bfloat16_cpu_linears_run_on_onednn_packed_weights_with_the_same_results
             exact = torch.nn.functional.linear(many.float(), module.weight.float(), bias)
             assert torch.equal(got, exact.to(torch.bfloat16)), name
     assert "forward" not in vars(make_tiny_llama().model.lm_head)  # float32 is not packed
+    # under torch.compile (engine.compile) the same kernels run as one opaque op
+    module = loaded.model.model.layers[0].mlp.up_proj
+    compiled = torch.compile(lambda x: module(x) + 0, dynamic=True)
+    for x in (few, many):
+        assert torch.equal(compiled(x), module(x))
 
 
 # ---- architectures that cannot be served -----------------------------------------------------

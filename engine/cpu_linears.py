@@ -1,0 +1,91 @@
+"""How a loaded model's CPU ``nn.Linear`` layers meet their GEMM kernels (called by ``prepare_model``).
+
+Layouts and kernels only: every Linear computes what ``F.linear`` would, up to summation order
+and the final bfloat16 rounding.
+"""
+from __future__ import annotations
+
+import weakref
+from typing import Any, Optional
+
+import torch
+import torch.nn.functional as F
+
+
+def prepare_linear_weights(hf_model: Any) -> None:
+    """Lay out each CPU ``nn.Linear`` weight for the GEMM that reads it; results are unchanged.
+
+    * float32: the weight ``[out, in]`` becomes the transposed view of a contiguous ``[in, out]``
+      tensor (same values and shape, so every code path reads it as before). Weights shared with an
+      embedding (tied ``lm_head``) keep the row-major layout the embedding lookup needs.
+    * bfloat16: the module also gets a copy packed in oneDNN's blocked layout, and its ``forward``
+      runs oneDNN's matmul on it (``torch.ops.mkldnn._linear_pointwise``, what inductor uses for
+      frozen CPU linears) for fewer than :data:`BF16_UPCAST_MIN_ROWS` rows; more rows (a prefill)
+      are multiplied in float32 and rounded back to bfloat16. ``weight`` stays as loaded (state
+      dict, fingerprint, tied embedding) and must not be changed afterwards: the packed copy would
+      not follow.
+
+    NOTE: measured on this CPU (``benchmarks/cpu_kernels.py``: 2 threads, torch 2.13, all 30 layers'
+    weights so they stream from memory). float32 ``F.linear`` with the transposed layout: 0.87-1.04x
+    the time from 1 to 1,024 rows across runs (a wash end to end; oneDNN packing was no better).
+    bfloat16 ``F.linear`` reorders the weight into oneDNN's layout on every call; packing it once
+    takes 0.72x the time at 1 row, 0.63x at 5, 0.83x at 32 and 0.97x at 1,024. This CPU has no AMX:
+    its bfloat16 dot products are no faster than float32 FMAs, so a 1,024-row bfloat16 GEMM took
+    1.8x the float32 one; upcasting input and weight per call takes 0.63x the packed time at 1,024
+    rows, 0.77x at 128 and about the same at 64 (BENCHMARKS.md, session 4). Each product of two
+    bfloat16 values is exact in float32 and oneDNN's bfloat16 GEMM accumulates in float32 too, so
+    the two paths differ only in summation order and the final rounding. CUDA has its own kernels.
+    """
+    embedding = hf_model.get_input_embeddings()
+    shared = {id(embedding.weight)} if embedding is not None else set()
+    pack_bf16 = torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    for module in hf_model.modules():
+        weight = getattr(module, "weight", None)
+        if not isinstance(module, torch.nn.Linear) or weight.device.type != "cpu":
+            continue
+        if weight.dtype == torch.float32 and id(weight) not in shared and weight.is_contiguous():
+            weight.data = weight.data.t().contiguous().t()
+        elif weight.dtype == torch.bfloat16 and pack_bf16:
+            module.forward = _bfloat16_linear(weight.detach(), module.bias)
+
+
+#: a bfloat16 CPU Linear called with at least this many rows multiplies in float32 (see above)
+BF16_UPCAST_MIN_ROWS = 128
+
+#: oneDNN-packed bfloat16 weights, by the handle their module's forward passes to the custom op
+#: (weak references: a packed copy lives as long as its module's forward)
+_PACKED: list[weakref.ref] = []
+
+
+def _bfloat16_linear(weight: torch.Tensor, bias: torch.Tensor | None):
+    """``forward`` of a bfloat16 CPU Linear: oneDNN on a packed copy, or float32 for many rows.
+
+    NOTE: under torch.compile (engine.compile) the call is one opaque op that finds the packed copy
+    by handle: inductor cannot lower oneDNN's op on a packed constant itself.
+    """
+    packed = torch.ops.mkldnn._reorder_linear_weight(weight, 32)
+    handle = len(_PACKED)
+    _PACKED.append(weakref.ref(packed))
+
+    def forward(x):
+        if torch.compiler.is_compiling():
+            return torch.ops.corekv.bfloat16_linear(x, weight, bias, handle)
+        return _bfloat16_matmul(x, weight, bias, packed)
+    return forward
+
+
+def _bfloat16_matmul(x, weight, bias, packed):
+    if x.numel() >= BF16_UPCAST_MIN_ROWS * weight.shape[1]:
+        return F.linear(x.float(), weight.float(), None if bias is None else bias.float()).to(x.dtype)
+    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+
+
+@torch.library.custom_op("corekv::bfloat16_linear", mutates_args=())
+def _bfloat16_linear_op(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
+                        handle: int) -> torch.Tensor:
+    return _bfloat16_matmul(x, weight, bias, _PACKED[handle]())
+
+
+@_bfloat16_linear_op.register_fake
+def _(x, weight, bias, handle):
+    return x.new_empty(*x.shape[:-1], weight.shape[0])
