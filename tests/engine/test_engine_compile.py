@@ -16,6 +16,7 @@ from corekv.engine.llm_engine import Engine
 from corekv.engine.model_runner import ModelRunner
 from corekv.engine.sampling import SamplingParams
 from corekv.errors import CoreKVError
+from test_engine_generate import hf_greedy
 
 GREEDY = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
 
@@ -30,14 +31,7 @@ def test_compiled_engine_serves_generates_tokens_and_leaves_the_model_eager(tiny
     graphs = dict(counters["stats"])
     got = [o.token_ids for o in engine.generate(prompts, GREEDY)]
     assert dict(counters["stats"]) == graphs  # serving compiled nothing new: the warm-up covered it
-    expected = []
-    with hf_attention(tiny_llama) as model, torch.no_grad():
-        for p in prompts:
-            x = torch.tensor([p])
-            out = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=10, min_new_tokens=10,
-                                 do_sample=False, pad_token_id=0)
-            expected.append(out[0, len(p):].tolist())
-    assert got == expected
+    assert got == [hf_greedy(tiny_llama, hf_attention, p, GREEDY.max_tokens) for p in prompts]
     # the compiled forward only runs inside a runner step; the model itself is still plain HF
     with pytest.raises(CoreKVError, match="outside a ModelRunner step"), torch.inference_mode():
         engine.runner._forward(input_ids=torch.tensor([[5, 6, 7]]), use_cache=False)
