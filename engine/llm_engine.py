@@ -79,10 +79,10 @@ class Engine(EngineAPI):
             try:
                 self.runner.warm_up()  # NOTE: before any KV is cached: it writes into the first blocks
             except Exception as exc:  # torch.compile's failures come as many exception types
+                first_line = (str(exc).strip().splitlines() or [""])[0]
                 raise ConfigError(
-                    f"engine.compile: torch.compile could not compile {config.model} "
-                    f"({type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}); "
-                    "inductor needs a working C++ compiler (g++) on CPU, or set engine.compile: false"
+                    f"engine.compile: torch.compile could not compile {config.model} ({type(exc).__name__}: "
+                    f"{first_line}); inductor needs a working C++ compiler (g++) on CPU, or set engine.compile: false"
                 ) from exc
         self.sampler = Sampler()
         # NOTE: chunked prefill is on unless the config says otherwise (EngineConfig may not carry
