@@ -119,7 +119,7 @@ def _paged_attention(meta: AttentionMetadata, layer_idx: int, query, key, value,
         q = queries[:num_decode].reshape(num_decode, num_kv_heads, num_heads // num_kv_heads, head_dim)
         for group in meta.decode_groups:
             rows = slice(group.row_start, group.row_end)
-            out[rows] = _decode_attention(q[rows], k_cache, v_cache, group, meta.buffers, scaling).reshape(
+            out[rows] = _decode_attention(q[rows], k_cache, v_cache, group, meta, scaling).reshape(
                 group.row_end - group.row_start, num_heads, head_dim)
 
     for group in meta.prefill_groups:
@@ -141,12 +141,19 @@ def _paged_attention(meta: AttentionMetadata, layer_idx: int, query, key, value,
     return out[None]
 
 
-def _decode_attention(q, k_cache, v_cache, group: DecodeGroup, buffers: dict, scaling) -> torch.Tensor:
+def _decode_attention(q, k_cache, v_cache, group: DecodeGroup, meta: AttentionMetadata, scaling) -> torch.Tensor:
     """Attention of one group's decode queries ``[B, Hkv, G, D]`` over their blocks."""
-    k = _gather(k_cache, group.block_tables, buffers, "k")
-    v = _gather(v_cache, group.block_tables, buffers, "v")
-    if group.shared_blocks is None:
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=group.mask, scale=scaling)
+    if meta.native_decode is not None:
+        # NOTE: reads each row's own blocks in the pool in one call, no gather (native_attention.py)
+        out_own, lse_own = meta.native_decode(q, k_cache, v_cache, group.block_tables, group.context_lens, scaling)
+        if group.shared_blocks is None:
+            return out_own.to(q.dtype)
+    else:
+        k = _gather(k_cache, group.block_tables, meta.buffers, "k")
+        v = _gather(v_cache, group.block_tables, meta.buffers, "v")
+        if group.shared_blocks is None:
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=group.mask, scale=scaling)
+        out_own, lse_own = _attention_with_lse(q, k, v, group.mask, scaling)
     # NOTE: cascade attention. When a group of decoding sequences starts with the same blocks (a
     # shared system prompt or document, n > 1 samples), those blocks are gathered once and attended
     # by all B*G query rows in one GEMM-shaped call; only each sequence's own tail is gathered per
@@ -154,10 +161,9 @@ def _decode_attention(q, k_cache, v_cache, group: DecodeGroup, buffers: dict, sc
     # bytes a decode step moves through memory roughly by the shared fraction of the context.
     batch, num_kv_heads, q_per_kv, head_dim = q.shape
     out_shared, lse_shared = _shared_attention(q.permute(1, 0, 2, 3).reshape(1, num_kv_heads, -1, head_dim),
-                                               k_cache, v_cache, group.shared_blocks, buffers, scaling)
+                                               k_cache, v_cache, group.shared_blocks, meta.buffers, scaling)
     out_shared = out_shared.view(num_kv_heads, batch, q_per_kv, head_dim).transpose(0, 1)
     lse_shared = lse_shared.view(num_kv_heads, batch, q_per_kv).transpose(0, 1)
-    out_own, lse_own = _attention_with_lse(q, k, v, group.mask, scaling)
     return _merge(out_shared, lse_shared, out_own, lse_own).to(q.dtype)
 
 

@@ -17,6 +17,7 @@ from typing import Any
 
 from corekv.config import Config
 from corekv.errors import ConfigError, CoreKVError
+from corekv.engine.native_attention import NativeBuildError
 from corekv.hashing import PrefixKey, chain_seed
 from corekv.plugin import make_plugin_manager
 from corekv.engine.block_manager import BlockManager
@@ -74,7 +75,10 @@ class Engine(EngineAPI):
         self.backend = self._make_backend(num_blocks)
         self.cache_manager = make_cache_manager(config.cache, self.plugin_manager, self.model,
                                                 self.kv_pool, self.backend)
-        self.runner = ModelRunner(m, self.kv_pool, compile=ecfg.compile)
+        try:
+            self.runner = ModelRunner(m, self.kv_pool, compile=ecfg.compile)
+        except NativeBuildError as exc:
+            raise ConfigError(f"engine.compile: {exc}, or set engine.compile: false") from exc
         if ecfg.compile:
             try:
                 self.runner.warm_up()  # NOTE: before any KV is cached: it writes into the first blocks

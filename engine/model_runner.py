@@ -19,6 +19,7 @@ from corekv.engine.attention import ATTENTION_NAME, forward_context
 from corekv.engine.step_metadata import AttentionMetadata, DecodeGroup, PrefillGroup, PrefillSlice
 from corekv.engine.kv_pool import KVPool
 from corekv.engine.models import LoadedModel
+from corekv.engine.native_attention import load_paged_decode
 
 
 @dataclass
@@ -76,6 +77,8 @@ class ModelRunner:
         # NOTE: torch.compile wraps the model without changing it (a LoadedModel may be shared, and
         # model.generate keeps running it eagerly); dynamic shapes, so steps of any size share a graph.
         self._forward = torch.compile(self.model, dynamic=True) if compile else self.model
+        # compiled on CPU, decodes also take the native attention (raises NativeBuildError)
+        self._native_decode = load_paged_decode() if compile and self.device.type == "cpu" else None
 
     @torch.inference_mode()
     def execute(self, chunks: Sequence[ScheduledChunk]) -> torch.Tensor:
@@ -201,6 +204,7 @@ class ModelRunner:
             prefill_groups=prefill_groups,
             prefills=prefills,
             buffers=self._gather_buffers,
+            native_decode=self._native_decode,
         )
         input_ids = torch.tensor(list(chain.from_iterable(c.token_ids for c in chunks)), dtype=torch.long)
         last_index = torch.cumsum(lengths_t, 0) - 1
@@ -219,7 +223,7 @@ class ModelRunner:
             mask = torch.zeros(valid.shape, dtype=self.kv_pool.dtype).masked_fill_(~valid, float("-inf"))
             mask = mask[:, None, None].to(device)
         shared = torch.tensor(tables[0][:num_shared], dtype=torch.long, device=device) if num_shared else None
-        return DecodeGroup(row_start, row_start + len(tables), padded.to(device), mask, shared)
+        return DecodeGroup(row_start, row_start + len(tables), padded.to(device), mask, shared, context.to(device))
 
     def _validate(self, chunks: list[ScheduledChunk]) -> None:
         bs, num_blocks = self.block_size, self.kv_pool.num_blocks

@@ -6,6 +6,7 @@ and :mod:`corekv.engine.attention` reads it in every layer.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 
@@ -62,6 +63,8 @@ class DecodeGroup:
     mask: torch.Tensor | None = None
     #: long [num_shared_blocks] or None
     shared_blocks: torch.Tensor | None = None
+    #: long [rows]: each row's tokens in its ``block_tables`` row (the native kernel's bound)
+    context_lens: torch.Tensor | None = None
 
 
 @dataclass
@@ -82,6 +85,8 @@ class AttentionMetadata:
     prefills: list[PrefillSlice] = field(default_factory=list)
     #: reusable gather buffers by name (owned by the runner, kept across steps; see ``_gather``)
     buffers: dict[str, torch.Tensor] = field(default_factory=dict)
+    #: the native decode attention (:mod:`corekv.engine.native_attention`), or None for the torch path
+    native_decode: Callable | None = None
     #: attention calls seen this forward; the runner checks it equals the number of layers, so a
     #: model that bypasses the AttentionInterface fails loudly instead of leaving the pool unwritten
     num_layer_calls: int = 0
