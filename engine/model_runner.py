@@ -52,7 +52,8 @@ class ModelRunner:
     """
 
     def __init__(self, loaded: LoadedModel, kv_pool: KVPool, *,
-                 cascade_min_saved_tokens: int = CASCADE_MIN_SAVED_TOKENS, compile: bool = False) -> None:
+                 cascade_min_saved_tokens: int = CASCADE_MIN_SAVED_TOKENS, compile: bool = False,
+                 native_decode: bool | None = None) -> None:
         if not isinstance(cascade_min_saved_tokens, int) or cascade_min_saved_tokens < 0:
             raise CoreKVError(f"ModelRunner: cascade_min_saved_tokens must be an int >= 0, got "
                               f"{cascade_min_saved_tokens!r}; 0 takes the cascade path for any shared block")
@@ -77,8 +78,14 @@ class ModelRunner:
         # NOTE: torch.compile wraps the model without changing it (a LoadedModel may be shared, and
         # model.generate keeps running it eagerly); dynamic shapes, so steps of any size share a graph.
         self._forward = torch.compile(self.model, dynamic=True) if compile else self.model
-        # compiled on CPU, decodes also take the native attention (raises NativeBuildError)
-        self._native_decode = load_paged_decode() if compile and self.device.type == "cpu" else None
+        # NOTE: decodes on CPU take the native attention when asked, by default when compiled: both
+        # build C++ for this machine (load_paged_decode raises NativeBuildError)
+        if native_decode is None:
+            native_decode = compile and self.device.type == "cpu"
+        if native_decode not in (True, False) or (native_decode and self.device.type != "cpu"):
+            raise CoreKVError(f"ModelRunner: native_decode must be True/False/None (True on a CPU pool only), "
+                              f"got {native_decode!r} on {self.device}")
+        self._native_decode = load_paged_decode() if native_decode else None
 
     @torch.inference_mode()
     def execute(self, chunks: Sequence[ScheduledChunk]) -> torch.Tensor:

@@ -16,12 +16,16 @@ from corekv.engine.kv_pool import KVPool
 from corekv.engine.model_runner import CASCADE_MIN_SAVED_TOKENS, ModelRunner, ScheduledChunk, cascade_groups
 
 
-def make_runner(loaded, num_blocks=64, block_size=16, cascade_min_saved_tokens=0):
+def make_runner(loaded, num_blocks=64, block_size=16, cascade_min_saved_tokens=0, native_decode=False):
     """A runner whose decodes take the cascade path for any shared block (these tests' groups are
     far smaller than the engine's default threshold)."""
     pool = KVPool(loaded.num_layers, num_blocks, block_size, loaded.num_kv_heads, loaded.head_dim,
                   loaded.dtype, loaded.device)
-    return ModelRunner(loaded, pool, cascade_min_saved_tokens=cascade_min_saved_tokens)
+    return ModelRunner(loaded, pool, cascade_min_saved_tokens=cascade_min_saved_tokens, native_decode=native_decode)
+
+
+#: decodes through the torch path (gather + SDPA) and through the native kernel (engine.compile's)
+DECODE_PATHS = pytest.mark.parametrize("native_decode", [False, True], ids=["torch_decode", "native_decode"])
 
 
 def reference_logits(loaded, hf_attention, token_ids):
@@ -55,10 +59,11 @@ def test_one_chunk_prefill_matches_hf(tiny_llama, hf_attention):
 
 
 @pytest.mark.parametrize("block_size", [16, 32])
-def test_chunked_prefill_then_decode_matches_hf(tiny_llama, hf_attention, block_size):
+@DECODE_PATHS
+def test_chunked_prefill_then_decode_matches_hf(tiny_llama, hf_attention, block_size, native_decode):
     ids = random_ids(1, 120)
     reference = reference_logits(tiny_llama, hf_attention, ids)
-    runner = make_runner(tiny_llama, num_blocks=32, block_size=block_size)
+    runner = make_runner(tiny_llama, num_blocks=32, block_size=block_size, native_decode=native_decode)
     (table,) = shuffled_tables(32, [120 // block_size + 1], seed=block_size)
     bounds = [0, 7, 40, 41, 90, 100]  # chunk ends fall inside blocks and on block edges
     for start, end in zip(bounds, bounds[1:]):
@@ -222,12 +227,13 @@ def test_smollm2_logits_match_hf_with_block_size_32(smollm2, hf_attention):
 
 
 @pytest.mark.parametrize("suffix_lengths", [(3, 20, 40), (1, 1, 1)])
-def test_decodes_sharing_leading_blocks_match_hf(tiny_llama, hf_attention, suffix_lengths):
+@DECODE_PATHS
+def test_decodes_sharing_leading_blocks_match_hf(tiny_llama, hf_attention, suffix_lengths, native_decode):
     """Decodes whose block tables start with the same blocks (a shared system prompt) take the
     cascade path: the shared blocks are attended once for all of them."""
     shared = random_ids(60, 48)  # three full blocks of 16
     seqs = [shared + random_ids(61 + i, n) for i, n in enumerate(suffix_lengths)]
-    runner = make_runner(tiny_llama, num_blocks=24, block_size=16)
+    runner = make_runner(tiny_llama, num_blocks=24, block_size=16, native_decode=native_decode)
     prefix_table = [17, 3, 11]
     runner.execute([ScheduledChunk(shared, 0, prefix_table)])
     free = [b for b in range(24) if b not in prefix_table]
@@ -298,13 +304,14 @@ def test_equal_prefill_chunks_after_the_same_cached_blocks_take_the_group_path_a
     torch.testing.assert_close(results[0], results[1], rtol=1e-5, atol=1e-5)
 
 
-def test_decodes_in_two_prefix_groups_and_a_loner_match_hf(tiny_llama, hf_attention):
+@DECODE_PATHS
+def test_decodes_in_two_prefix_groups_and_a_loner_match_hf(tiny_llama, hf_attention, native_decode):
     """Two groups of decodes, each sharing its own prefix blocks, and one sequence sharing nothing,
     submitted interleaved: each group attends its prefix once, the loner takes the plain path, and
     every row's logits come back in the caller's order."""
     prefixes = [random_ids(80, 32), random_ids(81, 48)]
     prefix_tables = [[4, 9], [13, 2, 20]]
-    runner = make_runner(tiny_llama, num_blocks=40, block_size=16)
+    runner = make_runner(tiny_llama, num_blocks=40, block_size=16, native_decode=native_decode)
     runner.execute([ScheduledChunk(p, 0, t) for p, t in zip(prefixes, prefix_tables)])
     free = iter([b for b in range(40) if b not in (4, 9, 13, 2, 20)])
     seqs, tables = [], []
@@ -321,7 +328,8 @@ def test_decodes_in_two_prefix_groups_and_a_loner_match_hf(tiny_llama, hf_attent
     torch.testing.assert_close(logits, expected, rtol=1e-5, atol=1e-5)
 
 
-def test_bfloat16_runner_tracks_hf_bfloat16(hf_attention):
+@DECODE_PATHS
+def test_bfloat16_runner_tracks_hf_bfloat16(hf_attention, native_decode):
     """bfloat16 end to end (pool, masks, cascade merge): same greedy argmax as HF's own bf16 forward
     and logits within bf16 rounding."""
     from corekv.engine.models import make_tiny_llama
@@ -329,7 +337,7 @@ def test_bfloat16_runner_tracks_hf_bfloat16(hf_attention):
     loaded = make_tiny_llama(dtype="bfloat16")
     shared = random_ids(70, 32)
     seqs = [shared + random_ids(71 + i, 9 + i) for i in range(3)]
-    runner = make_runner(loaded, num_blocks=16, block_size=16)
+    runner = make_runner(loaded, num_blocks=16, block_size=16, native_decode=native_decode)
     tables = [[5, 9, 1], [5, 9, 2], [5, 9, 3]]
     runner.execute([ScheduledChunk(shared, 0, tables[0])])
     runner.execute([ScheduledChunk(s[32:-1], 32, t) for s, t in zip(seqs, tables)])

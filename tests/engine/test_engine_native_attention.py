@@ -1,0 +1,123 @@
+"""corekv's native decode attention (engine/paged_decode.cpp, really built with g++ here) against a
+float64 softmax over the same blocks; its checks; a failed build as a clear ConfigError."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from corekv.engine.kv_pool import KVPool
+from corekv.engine.native_attention import load_paged_decode
+
+
+def reference(q, k_pool, v_pool, tables, lens, scale):
+    """float64 attention of each row's query over its first ``lens[r]`` positions: (out, lse)."""
+    rows, heads, group, dim = q.shape
+    bs = k_pool.shape[1]
+    outs, lses = [], []
+    for r in range(rows):
+        positions = torch.arange(int(lens[r]))
+        blocks = tables[r][positions // bs]
+        k = k_pool[blocks, positions % bs].double()  # [n, H, D]
+        v = v_pool[blocks, positions % bs].double()
+        scores = torch.einsum("hgd,nhd->hgn", q[r].double(), k) * scale
+        lse = torch.logsumexp(scores, -1)
+        outs.append(torch.einsum("hgn,nhd->hgd", torch.exp(scores - lse[..., None]), v))
+        lses.append(lse)
+    return torch.stack(outs), torch.stack(lses)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_native_decode_equals_a_float64_softmax_over_the_rows_blocks(dtype):
+    """Rows of 1 token, part of a block, whole blocks and many blocks, from a real KVPool's layer
+    views (blocks strided by the other layers); the tables' padding and every unused block hold
+    NaN, so reading past a row's length would show."""
+    torch.manual_seed(0)
+    pool = KVPool(num_layers=3, num_blocks=40, block_size=16, num_kv_heads=3, head_dim=64, dtype=dtype, device="cpu")
+    pool.storage.fill_(float("nan"))
+    k_pool, v_pool = pool.layer_kv(1)
+    lens = torch.tensor([1, 7, 16, 32, 100, 129])
+    tables = torch.full((len(lens), 9), 39, dtype=torch.long)  # padding: block 39, all NaN
+    free = torch.randperm(39).tolist()
+    for r, n in enumerate(lens.tolist()):
+        for j in range(-(-n // 16)):
+            block = free.pop()
+            tables[r, j] = block
+            k_pool[block] = torch.randn(16, 3, 64).to(dtype)
+            v_pool[block] = torch.randn(16, 3, 64).to(dtype)
+        tail = n % 16
+        if tail:  # positions past the length inside the row's last block: NaN again
+            k_pool[tables[r, j], tail:] = float("nan")
+            v_pool[tables[r, j], tail:] = float("nan")
+    q = torch.randn(len(lens), 3, 3, 64).to(dtype)
+    out, lse = load_paged_decode()(q, k_pool, v_pool, tables, lens, 0.125)
+    expected_out, expected_lse = reference(q, k_pool, v_pool, tables, lens, 0.125)
+    assert out.dtype == lse.dtype == torch.float32 and out.shape == q.shape and lse.shape == q.shape[:3]
+    torch.testing.assert_close(out.double(), expected_out, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(lse.double(), expected_lse, rtol=1e-5, atol=1e-5)
+
+
+def test_native_decode_checks_its_arguments():
+    decode = load_paged_decode()
+    pool = KVPool(num_layers=2, num_blocks=4, block_size=16, num_kv_heads=2, head_dim=8, dtype=torch.float32,
+                  device="cpu")
+    k, v = pool.layer_kv(0)
+    q = torch.zeros(1, 2, 1, 8)
+    table = torch.tensor([[0, 1]])
+    for lens in (torch.tensor([0]), torch.tensor([33])):  # empty, or longer than its two blocks
+        with pytest.raises(RuntimeError, match="context length is outside its block table"):
+            decode(q, k, v, table, lens, 1.0)
+    with pytest.raises(RuntimeError, match="q and pool heads differ"):
+        decode(torch.zeros(1, 3, 1, 8), k, v, table, torch.tensor([4]), 1.0)
+    with pytest.raises(RuntimeError, match="int64"):
+        decode(q, k, v, table.int(), torch.tensor([4]), 1.0)
+
+
+def test_loading_the_native_kernel_leaves_subnormal_floats_alone():
+    """It is compiled with -ffast-math; linking that flag would turn on flush-to-zero for the whole
+    process (and change every model's results), so only the compile step may carry it."""
+    load_paged_decode()
+    tiny = torch.tensor([1e-40, -3e-42])
+    assert bool((tiny * 1.0 != 0).all()) and bool((torch.tensor([1e-38]) / 1000 != 0).all())
+
+
+def test_a_failed_native_build_is_a_clear_config_error(tmp_path):
+    """A real build in a fresh process and an empty extension cache, with $CXX naming a compiler
+    that does not exist."""
+    code = (
+        "from corekv.config import Config, EngineConfig\n"
+        "from corekv.engine.llm_engine import Engine\n"
+        "from corekv.engine.models import make_tiny_llama\n"
+        "from corekv.errors import ConfigError\n"
+        "try:\n"
+        "    Engine(Config(model='tiny', engine=EngineConfig(num_blocks=16, compile=True)), model=make_tiny_llama())\n"
+        "except ConfigError as e:\n"
+        "    print('ERROR', e)\n"
+    )
+    env = dict(os.environ, CXX="/nonexistent/c++", TORCH_EXTENSIONS_DIR=str(tmp_path / "ext"))
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=600)
+    assert "ERROR engine.compile: could not build corekv's native decode attention" in out.stdout, \
+        out.stdout + out.stderr[-2000:]
+    assert "set engine.compile: false" in out.stdout
+
+
+def test_the_build_finds_the_ninja_wheel_when_no_ninja_is_on_path(tmp_path):
+    """As under CI, where the venv's python runs without the venv's bin/ on PATH: a fresh process
+    and extension cache, PATH holding only the compiler's tools, so the ninja it builds with can only
+    be the `ninja` wheel's."""
+    import shutil
+
+    tools = tmp_path / "tools"
+    tools.mkdir()
+    for name in ("c++", "g++", "gcc", "cc", "as", "ld"):
+        if shutil.which(name):
+            (tools / name).symlink_to(shutil.which(name))
+    env = dict(os.environ, PATH=str(tools), TORCH_EXTENSIONS_DIR=str(tmp_path / "ext"))
+    code = ("import shutil; assert shutil.which('ninja') is None\n"
+            "from corekv.engine.native_attention import load_paged_decode\n"
+            "load_paged_decode(); print('BUILT', shutil.which('ninja'))\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=600)
+    assert "BUILT " in out.stdout and out.stdout.strip().endswith("ninja"), out.stdout + out.stderr[-2000:]
