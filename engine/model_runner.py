@@ -77,11 +77,7 @@ class ModelRunner:
             raise CoreKVError(f"ModelRunner: compile must be True or False, got {compile!r}")
         # NOTE: torch.compile wraps the model without changing it (a LoadedModel may be shared, and
         # model.generate keeps running it eagerly); dynamic shapes, so steps of any size share a graph.
-        # NOTE: a served model's modules and parameters are never swapped, so dynamo need not
-        # guard on them before every step (~1.5 ms of a 28 ms W1 decode step at batch 1).
-        skip_module_guards = getattr(torch.compiler, "skip_guard_on_all_nn_modules_unsafe", None)
-        options = {"guard_filter_fn": skip_module_guards} if skip_module_guards else None
-        self._forward = torch.compile(self.model, dynamic=True, options=options) if compile else self.model
+        self._forward = torch.compile(self.model, dynamic=True) if compile else self.model
         # NOTE: decodes on CPU take the native attention when asked, by default when compiled: both
         # build C++ for this machine (load_paged_decode raises NativeBuildError)
         if native_decode is None:

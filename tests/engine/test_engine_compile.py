@@ -40,6 +40,24 @@ def test_compiled_engine_serves_generates_tokens_and_leaves_the_model_eager(tiny
     engine.close()
 
 
+def test_models_of_one_class_compiled_in_one_process_each_get_their_own_graph(tiny_llama, hf_attention):
+    """A float32 and a bfloat16 model share their forward's code but not their weights' layouts
+    (float32 weights are stored transposed): each engine must run a graph built for its own model,
+    so dynamo must keep guarding on the modules (skipping those guards ran the float32 graph on the
+    bfloat16 model, found by the W1/W2 benchmark)."""
+    from corekv.engine.models import make_tiny_llama
+
+    prompts = [[7, 8, 9, 10] * 5, [40, 41, 42]]
+    for loaded in (tiny_llama, make_tiny_llama(dtype="bfloat16")):
+        cfg = Config(model="tiny", engine=EngineConfig(num_blocks=32, block_size=16, compile=True))
+        with Engine(cfg, model=loaded) as engine:
+            got = [o.token_ids for o in engine.generate(prompts, GREEDY)]
+        if loaded.dtype == torch.float32:
+            assert got == [hf_greedy(loaded, hf_attention, p, GREEDY.max_tokens) for p in prompts]
+        else:
+            assert all(len(t) == GREEDY.max_tokens for t in got)
+
+
 def test_compile_without_a_cpp_compiler_is_a_clear_config_error(tmp_path):
     """A real inductor build pointed at a compiler that does not exist (in a fresh process with an
     empty inductor cache, so nothing compiled earlier is reused)."""
