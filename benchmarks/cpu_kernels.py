@@ -10,6 +10,9 @@
   prefix, 9 query and 3 KV heads of 64, one layer): eight masked SDPA calls over gathered contexts
   (corekv's path for single chunks) against a :class:`PrefillGroup`-style shared call plus one
   batched causal call merged through log-sum-exps.
+* ``decode attention`` (session 5): W1's and W2's decode shapes over a real KVPool's layer views,
+  the torch path (gather the blocks, SDPA with a padding mask) against the native kernel that
+  ``engine.compile`` builds (engine/paged_decode.cpp).
 
 Medians of ``--repeats`` runs, milliseconds; each table's ratios are against its first column.
 """
@@ -96,6 +99,39 @@ def prefill_attention(repeats):
             f"| {a:.2f} | {b:.2f} ({b / a:.2f}x) |")
 
 
+def decode_attention(repeats):
+    """Decode attention over a real KVPool's layer views: the torch path (gather the rows' blocks,
+    SDPA with a padding mask) against the native kernel, at W1's and W2's decode shapes."""
+    from corekv.engine.kv_pool import KVPool
+    from corekv.engine.native_attention import load_paged_decode
+
+    native = load_paged_decode()
+    lines = [f"**Decode attention, one layer, pool of 1,000 blocks x 30 layers** (us; medians of {repeats})", "",
+             "| shape | dtype | gather + SDPA | native kernel |", "|---|---|---:|---:|"]
+    for dtype in (torch.float32, torch.bfloat16):
+        pool = KVPool(30, 1000, 16, 3, 64, dtype, "cpu")
+        pool.storage.normal_()
+        k_pool, v_pool = pool.layer_kv(5)
+        for label, rows, blocks in (("W1: 5 rows x 10 blocks", 5, 10), ("W2 own blocks: 32 rows x 9 blocks", 32, 9)):
+            q = torch.randn(rows, 3, 3, 64).to(dtype)
+            tables = torch.randperm(1000)[:rows * blocks].view(rows, blocks)
+            lens = torch.full((rows,), blocks * 16 - 3)
+            mask = torch.zeros(rows, 1, 1, blocks * 16, dtype=dtype)
+            mask[..., -3:] = float("-inf")
+
+            def gathered():
+                k = k_pool.index_select(0, tables.view(-1)).view(rows, -1, 3, 64).transpose(1, 2)
+                v = v_pool.index_select(0, tables.view(-1)).view(rows, -1, 3, 64).transpose(1, 2)
+                return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=0.125)
+
+            out, _ = native(q, k_pool, v_pool, tables, lens, 0.125)
+            assert torch.allclose(out.to(dtype).float(), gathered().float(), atol=1e-2), "the paths must agree"
+            a = median_ms(gathered, repeats) * 1e3
+            b = median_ms(lambda: native(q, k_pool, v_pool, tables, lens, 0.125), repeats) * 1e3
+            lines.append(f"| {label} | {str(dtype).split('.')[1]} | {a:.0f} | {b:.0f} ({b / a:.2f}x) |")
+    return "\n".join(lines)
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--threads", type=int, default=2)
@@ -107,7 +143,8 @@ def main():
     print(f"torch {torch.__version__}, {args.threads} threads, medians of {args.repeats}\n")
     for dtype in (torch.float32, torch.bfloat16):
         print(linears(dtype, args.repeats), "\n", flush=True)
-    print(prefill_attention(max(args.repeats, 20)))
+    print(prefill_attention(max(args.repeats, 20)), "\n")
+    print(decode_attention(max(args.repeats, 200)))
 
 
 if __name__ == "__main__":
