@@ -7,8 +7,9 @@ modeling code dispatches through ``AttentionInterface`` runs unchanged.
 
 The batch layout is fixed by :class:`corekv.engine.model_runner.ModelRunner`: the first
 ``num_decode_tokens`` tokens are single-token chunks (decodes, batched per :class:`DecodeGroup` into
-one padded SDPA call, plus one for the group's shared leading blocks); the rest are prefill chunks
-(per :class:`PrefillGroup` two calls, then one masked SDPA call for each other chunk).
+one padded SDPA call over gathered blocks, or one call of the native kernel that reads the pool
+itself (``engine.compile`` on CPU), plus one for the group's shared leading blocks); the rest are
+prefill chunks (per :class:`PrefillGroup` two calls, then one masked SDPA call for each other chunk).
 
 The runner hands each step's :class:`AttentionMetadata` over through :func:`forward_context`.
 Called outside one (e.g. by ``model.generate``) it is exactly transformers' SDPA attention, so a
@@ -156,9 +157,10 @@ def _decode_attention(q, k_cache, v_cache, group: DecodeGroup, meta: AttentionMe
         out_own, lse_own = _attention_with_lse(q, k, v, group.mask, scaling)
     # NOTE: cascade attention. When a group of decoding sequences starts with the same blocks (a
     # shared system prompt or document, n > 1 samples), those blocks are gathered once and attended
-    # by all B*G query rows in one GEMM-shaped call; only each sequence's own tail is gathered per
-    # sequence. The two partial results merge exactly through their log-sum-exps. This cuts the
-    # bytes a decode step moves through memory roughly by the shared fraction of the context.
+    # by all B*G query rows in one GEMM-shaped call; only each sequence's own tail is gathered (or
+    # read by the native kernel) per sequence. The two partial results merge exactly through their
+    # log-sum-exps. This cuts the bytes a decode step moves through memory roughly by the shared
+    # fraction of the context.
     batch, num_kv_heads, q_per_kv, head_dim = q.shape
     out_shared, lse_shared = _shared_attention(q.permute(1, 0, 2, 3).reshape(1, num_kv_heads, -1, head_dim),
                                                k_cache, v_cache, group.shared_blocks, meta.buffers, scaling)

@@ -19,7 +19,7 @@ from corekv.engine.attention import ATTENTION_NAME, forward_context
 from corekv.engine.step_metadata import AttentionMetadata, DecodeGroup, PrefillGroup, PrefillSlice
 from corekv.engine.kv_pool import KVPool
 from corekv.engine.models import LoadedModel
-from corekv.engine.native_attention import load_paged_decode
+from corekv.engine.native_attention import NATIVE_DECODE_DTYPES, load_paged_decode
 
 
 @dataclass
@@ -36,7 +36,8 @@ class ScheduledChunk:
 
 
 #: decodes (or equal prefill chunks) sharing leading blocks take the cascade path only when it saves
-#: gathering at least this many tokens' KV per layer, i.e. (rows - 1) * shared tokens.
+#: gathering (or, natively, reading) at least this many tokens' KV per layer, i.e. (rows - 1) *
+#: shared tokens. NOTE: measured for the torch path; with the native decode kernel W2 still gains.
 #: NOTE: measured on SmolLM2 float32 at 2 threads (BENCHMARKS.md, session 4): W1's five decodes
 #: sharing 9 blocks (576 tokens saved) ran wave 2 in 1.62-1.69 s plain vs 1.75 s as a cascade (an
 #: extra attention call and the merge cost more than the gather saved); W2's 32 decodes sharing
@@ -80,11 +81,14 @@ class ModelRunner:
         self._forward = torch.compile(self.model, dynamic=True) if compile else self.model
         # NOTE: decodes on CPU take the native attention when asked, by default when compiled: both
         # build C++ for this machine (load_paged_decode raises NativeBuildError)
+        native_ok = self.device.type == "cpu" and kv_pool.dtype in NATIVE_DECODE_DTYPES
         if native_decode is None:
-            native_decode = compile and self.device.type == "cpu"
-        if native_decode not in (True, False) or (native_decode and self.device.type != "cpu"):
-            raise CoreKVError(f"ModelRunner: native_decode must be True/False/None (True on a CPU pool only), "
-                              f"got {native_decode!r} on {self.device}")
+            native_decode = compile and native_ok
+        if not isinstance(native_decode, bool) or (native_decode and not native_ok):
+            raise CoreKVError(
+                f"ModelRunner: native_decode must be True, False or None, and True only for a CPU pool of "
+                f"{' or '.join(map(str, NATIVE_DECODE_DTYPES))}; got {native_decode!r} for a {kv_pool.dtype} pool "
+                f"on {self.device}: pass native_decode=False (or None) there")
         self._native_decode = load_paged_decode() if native_decode else None
 
     @torch.inference_mode()
@@ -225,7 +229,7 @@ class ModelRunner:
                               dtype=torch.long)
         context = torch.tensor(starts) + 1 - num_shared * bs
         mask = None
-        if bool((context != max_blocks * bs).any()):
+        if self._native_decode is None and bool((context != max_blocks * bs).any()):  # native: bound by context
             valid = torch.arange(max_blocks * bs)[None] < context[:, None]
             mask = torch.zeros(valid.shape, dtype=self.kv_pool.dtype).masked_fill_(~valid, float("-inf"))
             mask = mask[:, None, None].to(device)

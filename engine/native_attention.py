@@ -6,7 +6,9 @@ and bytes per layer, which is what a decode step of a small model is made of on 
 
 NOTE: compiled with -ffast-math (vectorised exp, reordered sums: 0.6x the time of a strict build
 here) for finite inputs, as a model's Q/K/V are; only compile flags, so no code that changes the
-process's floating-point mode (flush-to-zero) is linked in. Built on first use by ``torch.utils.cpp_extension`` (g++ and ninja; about 25 s on 2 cores)
+process's floating-point mode (flush-to-zero) is linked in.
+
+Built on first use by ``torch.utils.cpp_extension`` (g++ and ninja; about 25 s on 2 cores)
 with ``-march=native`` into torch's extension cache (``TORCH_EXTENSIONS_DIR``), which then serves
 later processes at once; a cache shared by machines of different CPUs must be set per machine.
 """
@@ -17,9 +19,13 @@ import shutil
 from pathlib import Path
 from typing import Callable
 
+import torch
+
 from corekv.errors import CoreKVError
 
 SOURCE = Path(__file__).with_name("paged_decode.cpp")
+#: pool dtypes the kernel reads (a float16 model keeps the torch path)
+NATIVE_DECODE_DTYPES = (torch.float32, torch.bfloat16)
 _decode: Callable | None = None
 
 

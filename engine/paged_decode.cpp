@@ -87,9 +87,12 @@ std::vector<torch::Tensor> paged_decode(const torch::Tensor& q, const torch::Ten
                   k_pool.stride(1) == k_pool.size(2) * k_pool.size(3) && k_pool.scalar_type() == v_pool.scalar_type(),
               "paged_decode: each K/V pool block must be contiguous, both pools laid out alike and of one dtype");
   TORCH_CHECK(k_pool.size(2) == q.size(1) && k_pool.size(3) == q.size(3), "paged_decode: q and pool heads differ");
+  TORCH_CHECK(q.is_cpu() && k_pool.is_cpu() && block_tables.is_cpu() && context_lens.is_cpu(),
+              "paged_decode: a CPU kernel: every tensor must be on the CPU");
   TORCH_CHECK(block_tables.scalar_type() == torch::kLong && context_lens.scalar_type() == torch::kLong &&
-              block_tables.size(0) == q.size(0) && context_lens.size(0) == q.size(0),
-              "paged_decode: block_tables / context_lens must be int64 with one row per query");
+                  block_tables.dim() == 2 && context_lens.dim() == 1 && block_tables.size(0) == q.size(0) &&
+                  context_lens.size(0) == q.size(0),
+              "paged_decode: block_tables [R, max_blocks] / context_lens [R] must be int64 with one row per query");
   const int64_t R = q.size(0), H = q.size(1), G = q.size(2), D = q.size(3);
   const auto qf = q.to(torch::kFloat).contiguous();
   const auto tables = block_tables.contiguous();
@@ -97,9 +100,14 @@ std::vector<torch::Tensor> paged_decode(const torch::Tensor& q, const torch::Ten
   auto out = torch::empty({R, H, G, D}, qf.options());
   auto lse = torch::empty({R, H, G}, qf.options());
   const int64_t block_size = k_pool.size(1), max_blocks = tables.size(1);
+  const int64_t num_blocks = k_pool.size(0);
   for (int64_t r = 0; r < R; ++r) {
     const int64_t n = lens.data_ptr<int64_t>()[r];
     TORCH_CHECK(n >= 1 && n <= max_blocks * block_size, "paged_decode: a context length is outside its block table");
+    for (int64_t j = 0; j < (n + block_size - 1) / block_size; ++j) {
+      const int64_t block = tables.data_ptr<int64_t>()[r * max_blocks + j];
+      TORCH_CHECK(block >= 0 && block < num_blocks, "paged_decode: a block id is outside the pool");
+    }
   }
   if (k_pool.scalar_type() == torch::kFloat) {
     decode<float>(qf.data_ptr<float>(), k_pool.data_ptr<float>(), v_pool.data_ptr<float>(), tables.data_ptr<int64_t>(),
@@ -117,4 +125,7 @@ std::vector<torch::Tensor> paged_decode(const torch::Tensor& q, const torch::Ten
 
 }  // namespace
 
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) { m.def("paged_decode", &paged_decode); }
+// NOTE: the GIL is released while it runs: the engine steps in its own thread beside a server's event loop.
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("paged_decode", &paged_decode, py::call_guard<py::gil_scoped_release>());
+}

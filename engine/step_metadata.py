@@ -51,8 +51,9 @@ class DecodeGroup:
 
     Invariants: row ``r``'s blocks are ``shared_blocks`` (blocks every row of the group starts
     with, or None) followed by its row of ``block_tables``; rows are padded with block 0 and the
-    padding is masked out by the additive ``mask`` (0 / -inf, None when every row is exactly full);
-    each row holds at least the block of its query token.
+    padding is masked out by the additive ``mask`` (0 / -inf; None when every row is exactly full,
+    or when the native kernel bounds each row by ``context_lens`` instead); each row holds at least
+    the block of its query token.
     """
 
     row_start: int

@@ -36,7 +36,8 @@ def test_native_decode_equals_a_float64_softmax_over_the_rows_blocks(dtype):
     views (blocks strided by the other layers); the tables' padding and every unused block hold
     NaN, so reading past a row's length would show."""
     torch.manual_seed(0)
-    pool = KVPool(num_layers=3, num_blocks=40, block_size=16, num_kv_heads=3, head_dim=64, dtype=dtype, device="cpu")
+    # 2 KV heads of 4 query heads each: a mix-up of the two counts in the kernel's indexing shows
+    pool = KVPool(num_layers=3, num_blocks=40, block_size=16, num_kv_heads=2, head_dim=64, dtype=dtype, device="cpu")
     pool.storage.fill_(float("nan"))
     k_pool, v_pool = pool.layer_kv(1)
     lens = torch.tensor([1, 7, 16, 32, 100, 129])
@@ -46,13 +47,13 @@ def test_native_decode_equals_a_float64_softmax_over_the_rows_blocks(dtype):
         for j in range(-(-n // 16)):
             block = free.pop()
             tables[r, j] = block
-            k_pool[block] = torch.randn(16, 3, 64).to(dtype)
-            v_pool[block] = torch.randn(16, 3, 64).to(dtype)
+            k_pool[block] = torch.randn(16, 2, 64).to(dtype)
+            v_pool[block] = torch.randn(16, 2, 64).to(dtype)
         tail = n % 16
         if tail:  # positions past the length inside the row's last block: NaN again
             k_pool[tables[r, j], tail:] = float("nan")
             v_pool[tables[r, j], tail:] = float("nan")
-    q = torch.randn(len(lens), 3, 3, 64).to(dtype)
+    q = torch.randn(len(lens), 2, 4, 64).to(dtype)
     out, lse = load_paged_decode()(q, k_pool, v_pool, tables, lens, 0.125)
     expected_out, expected_lse = reference(q, k_pool, v_pool, tables, lens, 0.125)
     assert out.dtype == lse.dtype == torch.float32 and out.shape == q.shape and lse.shape == q.shape[:3]
@@ -74,6 +75,27 @@ def test_native_decode_checks_its_arguments():
         decode(torch.zeros(1, 3, 1, 8), k, v, table, torch.tensor([4]), 1.0)
     with pytest.raises(RuntimeError, match="int64"):
         decode(q, k, v, table.int(), torch.tensor([4]), 1.0)
+    with pytest.raises(RuntimeError, match="block id is outside the pool"):
+        decode(q, k, v, torch.tensor([[0, 4]]), torch.tensor([20]), 1.0)
+
+
+def test_runner_takes_the_native_path_only_where_the_kernel_serves(tiny_llama):
+    """By default with compile on a float32/bfloat16 CPU pool; asking for it elsewhere is an error
+    naming the fix, not a failure at the first decode."""
+    from corekv.engine.model_runner import ModelRunner
+    from corekv.engine.models import make_tiny_llama
+    from corekv.errors import CoreKVError
+
+    def pool(loaded):
+        return KVPool(loaded.num_layers, 8, 16, loaded.num_kv_heads, loaded.head_dim, loaded.dtype, "cpu")
+
+    assert ModelRunner(tiny_llama, pool(tiny_llama))._native_decode is None
+    assert ModelRunner(tiny_llama, pool(tiny_llama), native_decode=True)._native_decode is not None
+    half = make_tiny_llama(dtype="float16")
+    with pytest.raises(CoreKVError, match="native_decode=False"):
+        ModelRunner(half, pool(half), native_decode=True)
+    with pytest.raises(CoreKVError, match="must be True, False or None"):
+        ModelRunner(tiny_llama, pool(tiny_llama), native_decode=1)
 
 
 def test_loading_the_native_kernel_leaves_subnormal_floats_alone():
