@@ -20,3 +20,9 @@ class ConfigError(CoreKVError, ValueError):
 
 class PluginError(CoreKVError):
     """A plugin failed to load or registered something inconsistent; the message names the plugin."""
+
+
+def describe_exception(exc: BaseException) -> str:
+    """``"TypeName: first line of its message"``: a foreign exception (a compiler's, a build's) quoted
+    inside a corekv message without its pages of detail."""
+    return f"{type(exc).__name__}: {(str(exc).strip().splitlines() or [''])[0]}"

@@ -16,7 +16,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from corekv.config import Config
-from corekv.errors import ConfigError, CoreKVError
+from corekv.errors import ConfigError, CoreKVError, describe_exception
 from corekv.engine.native_attention import NativeBuildError
 from corekv.hashing import PrefixKey, chain_seed
 from corekv.plugin import make_plugin_manager
@@ -83,10 +83,9 @@ class Engine(EngineAPI):
             try:
                 self.runner.warm_up()  # NOTE: before any KV is cached: it writes into the first blocks
             except Exception as exc:  # torch.compile's failures come as many exception types
-                first_line = (str(exc).strip().splitlines() or [""])[0]
                 raise ConfigError(
-                    f"engine.compile: torch.compile could not compile {config.model} ({type(exc).__name__}: "
-                    f"{first_line}); inductor needs a working C++ compiler (g++) on CPU, or set engine.compile: false"
+                    f"engine.compile: torch.compile could not compile {config.model} ({describe_exception(exc)}); inductor "
+                    "needs a working C++ compiler (g++) on CPU, or set engine.compile: false"
                 ) from exc
         self.sampler = Sampler()
         # NOTE: chunked prefill is on unless the config says otherwise (EngineConfig may not carry

@@ -37,7 +37,7 @@ class ScheduledChunk:
 
 #: decodes (or equal prefill chunks) sharing leading blocks take the cascade path only when it saves
 #: gathering (or, natively, reading) at least this many tokens' KV per layer, i.e. (rows - 1) *
-#: shared tokens. NOTE: measured for the torch path; with the native decode kernel W2 still gains.
+#: shared tokens. NOTE: measured on the torch path; not re-measured with the native decode kernel.
 #: NOTE: measured on SmolLM2 float32 at 2 threads (BENCHMARKS.md, session 4): W1's five decodes
 #: sharing 9 blocks (576 tokens saved) ran wave 2 in 1.62-1.69 s plain vs 1.75 s as a cascade (an
 #: extra attention call and the merge cost more than the gather saved); W2's 32 decodes sharing

@@ -21,7 +21,7 @@ from typing import Callable
 
 import torch
 
-from corekv.errors import CoreKVError
+from corekv.errors import CoreKVError, describe_exception
 
 SOURCE = Path(__file__).with_name("paged_decode.cpp")
 #: pool dtypes the kernel reads (a float16 model keeps the torch path)
@@ -51,9 +51,8 @@ def load_paged_decode() -> Callable:
                                         extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffast-math"],
                                         extra_ldflags=["-fopenmp"])
         except Exception as exc:  # compiler, ninja and build failures come as several exception types
-            first_line = (str(exc).strip().splitlines() or [""])[0]
             raise NativeBuildError(
-                f"could not build corekv's native decode attention ({type(exc).__name__}: {first_line}); it needs a "
+                f"could not build corekv's native decode attention ({describe_exception(exc)}); it needs a "
                 "C++ compiler (g++, or the one named by $CXX) and ninja (pip install ninja)") from exc
         _decode = module.paged_decode
     return _decode
