@@ -84,8 +84,8 @@ class Engine(EngineAPI):
                 self.runner.warm_up()  # NOTE: before any KV is cached: it writes into the first blocks
             except Exception as exc:  # torch.compile's failures come as many exception types
                 raise ConfigError(
-                    f"engine.compile: torch.compile could not compile {config.model} ({describe_exception(exc)}); inductor "
-                    "needs a working C++ compiler (g++) on CPU, or set engine.compile: false"
+                    f"engine.compile: torch.compile could not compile {config.model} ({describe_exception(exc)}); "
+                    "inductor needs a working C++ compiler (g++) on CPU, or set engine.compile: false"
                 ) from exc
         self.sampler = Sampler()
         # NOTE: chunked prefill is on unless the config says otherwise (EngineConfig may not carry
