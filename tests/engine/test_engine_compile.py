@@ -59,12 +59,12 @@ def test_models_of_one_class_compiled_in_one_process_each_get_their_own_graph(ti
             assert all(len(t) == GREEDY.max_tokens for t in got)
 
 
-def test_compile_without_a_cpp_compiler_is_a_clear_config_error(tmp_path):
-    """A real inductor build pointed at a compiler that does not exist (in a fresh process with an
-    empty inductor cache, so nothing compiled earlier is reused)."""
+def start_compiled_tiny_engine(env: dict, prelude: str = "") -> subprocess.CompletedProcess:
+    """A fresh process that builds a compiled engine on the tiny model under ``env``
+    (after running ``prelude``), printing ``ERROR <message>`` if that raises a ConfigError."""
     code = (
-        "import torch._inductor.config as c; c.cpp.cxx = ('/nonexistent/c++',)\n"
-        "from corekv.config import Config, EngineConfig\n"
+        prelude
+        + "from corekv.config import Config, EngineConfig\n"
         "from corekv.engine.llm_engine import Engine\n"
         "from corekv.engine.models import make_tiny_llama\n"
         "from corekv.errors import ConfigError\n"
@@ -73,9 +73,26 @@ def test_compile_without_a_cpp_compiler_is_a_clear_config_error(tmp_path):
         "except ConfigError as e:\n"
         "    print('ERROR', e)\n"
     )
-    env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "inductor"), TORCHINDUCTOR_FX_GRAPH_CACHE="0")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=600)
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=dict(os.environ, **env),
+                          timeout=600)
+
+
+def test_compile_without_a_cpp_compiler_is_a_clear_config_error(tmp_path):
+    """A real inductor build pointed at a compiler that does not exist (in a fresh process with an
+    empty inductor cache, so nothing compiled earlier is reused)."""
+    out = start_compiled_tiny_engine({"TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor"),
+                                      "TORCHINDUCTOR_FX_GRAPH_CACHE": "0"},
+                                     prelude="import torch._inductor.config as c; c.cpp.cxx = ('/nonexistent/c++',)\n")
     assert "ERROR engine.compile: torch.compile could not compile tiny" in out.stdout, out.stdout + out.stderr[-2000:]
+    assert "set engine.compile: false" in out.stdout
+
+
+def test_a_failed_native_build_is_a_clear_config_error(tmp_path):
+    """A real build of the native decode attention in a fresh process and an empty extension cache,
+    with $CXX naming a compiler that does not exist."""
+    out = start_compiled_tiny_engine({"CXX": "/nonexistent/c++", "TORCH_EXTENSIONS_DIR": str(tmp_path / "ext")})
+    assert "ERROR engine.compile: could not build corekv's native decode attention" in out.stdout, \
+        out.stdout + out.stderr[-2000:]
     assert "set engine.compile: false" in out.stdout
 
 

@@ -1,5 +1,5 @@
 """corekv's native decode attention (engine/paged_decode.cpp, really built with g++ here) against a
-float64 softmax over the same blocks; its checks; a failed build as a clear ConfigError."""
+float64 softmax over the same blocks; its checks; its build (a failed one: test_engine_compile.py)."""
 from __future__ import annotations
 
 import os
@@ -104,26 +104,6 @@ def test_loading_the_native_kernel_leaves_subnormal_floats_alone():
     load_paged_decode()
     tiny = torch.tensor([1e-40, -3e-42])
     assert bool((tiny * 1.0 != 0).all()) and bool((torch.tensor([1e-38]) / 1000 != 0).all())
-
-
-def test_a_failed_native_build_is_a_clear_config_error(tmp_path):
-    """A real build in a fresh process and an empty extension cache, with $CXX naming a compiler
-    that does not exist."""
-    code = (
-        "from corekv.config import Config, EngineConfig\n"
-        "from corekv.engine.llm_engine import Engine\n"
-        "from corekv.engine.models import make_tiny_llama\n"
-        "from corekv.errors import ConfigError\n"
-        "try:\n"
-        "    Engine(Config(model='tiny', engine=EngineConfig(num_blocks=16, compile=True)), model=make_tiny_llama())\n"
-        "except ConfigError as e:\n"
-        "    print('ERROR', e)\n"
-    )
-    env = dict(os.environ, CXX="/nonexistent/c++", TORCH_EXTENSIONS_DIR=str(tmp_path / "ext"))
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=600)
-    assert "ERROR engine.compile: could not build corekv's native decode attention" in out.stdout, \
-        out.stdout + out.stderr[-2000:]
-    assert "set engine.compile: false" in out.stdout
 
 
 def test_the_build_finds_the_ninja_wheel_when_no_ninja_is_on_path(tmp_path):
