@@ -9,10 +9,11 @@
 * ``prefill attention``: W2's step shape (8 chunks of 128 tokens after a shared 384-token cached
   prefix, 9 query and 3 KV heads of 64, one layer): eight masked SDPA calls over gathered contexts
   (corekv's path for single chunks) against a :class:`PrefillGroup`-style shared call plus one
-  batched causal call merged through log-sum-exps.
+  batched causal call merged through log-sum-exps, and (session 6) the native prefill kernel that
+  ``engine.compile`` builds, reading a real KVPool's layer views (engine/paged_attention.cpp).
 * ``decode attention`` (session 5): W1's and W2's decode shapes over a real KVPool's layer views,
   the torch path (gather the blocks, SDPA with a padding mask) against the native kernel that
-  ``engine.compile`` builds (engine/paged_decode.cpp).
+  ``engine.compile`` builds (engine/paged_attention.cpp).
 
 Medians of ``--repeats`` runs, milliseconds; each table's ratios are against its first column.
 """
@@ -67,6 +68,9 @@ def linears(dtype, repeats):
 
 
 def prefill_attention(repeats):
+    from corekv.engine.kv_pool import KVPool
+    from corekv.engine.native_attention import load_native_attention
+
     heads, kv_heads, dim, n, shared, chunks = 9, 3, 64, 128, 384, 8
     tokens = n * chunks
     query = torch.randn(1, tokens, heads, dim).transpose(1, 2)
@@ -91,21 +95,42 @@ def prefill_attention(repeats):
         return torch.lerp(out_c.transpose(0, 1).reshape(heads, tokens, dim), out_s.reshape(heads, tokens, dim),
                           weight[..., None])
 
+    # the same K/V in a real pool's layer view: shared blocks, then each chunk's own 8 blocks
+    pool = KVPool(30, 1000, 16, kv_heads, dim, torch.float32, "cpu")
+    k_pool, v_pool = pool.layer_kv(5)
+    ids = torch.randperm(1000)
+    prefix, own = ids[:shared // 16], ids[shared // 16:shared // 16 + tokens // 16].view(chunks, -1)
+    k_pool[prefix] = k_cached[0].transpose(0, 1).reshape(-1, 16, kv_heads, dim)
+    v_pool[prefix] = v_cached[0].transpose(0, 1).reshape(-1, 16, kv_heads, dim)
+    k_pool[own.reshape(-1)] = key[0].transpose(0, 1).reshape(-1, 16, kv_heads, dim)
+    v_pool[own.reshape(-1)] = value[0].transpose(0, 1).reshape(-1, 16, kv_heads, dim)
+    tables = torch.cat([prefix.expand(chunks, -1), own], 1)
+    query_starts, start_pos = torch.arange(0, tokens + 1, n), torch.full((chunks,), shared)
+    out = torch.empty(tokens, heads, dim)
+    kernel = load_native_attention().prefill
+    rows = query[0].transpose(0, 1)
+
+    def native():
+        kernel(rows, k_pool, v_pool, tables, query_starts, start_pos, dim ** -0.5, out)
+        return out
+
     expected = torch.cat([o[0] for o in masked()], 1)
     assert torch.allclose(grouped(), expected, atol=1e-5), "the grouped path must compute the same attention"
-    a, b = median_ms(masked, repeats), median_ms(grouped, repeats)
+    assert torch.allclose(native().transpose(0, 1), expected, atol=1e-5), "the native kernel too"
+    a, b, c = median_ms(masked, repeats), median_ms(grouped, repeats), median_ms(native, repeats)
     return ("**Prefill attention, W2's step shape, one layer, float32** (ms)\n\n"
-            "| 8 masked calls over gathered contexts | shared call + batched causal call + merge |\n|---:|---:|\n"
-            f"| {a:.2f} | {b:.2f} ({b / a:.2f}x) |")
+            "| 8 masked calls over gathered contexts | shared call + batched causal call + merge | native kernel |\n"
+            "|---:|---:|---:|\n"
+            f"| {a:.2f} | {b:.2f} ({b / a:.2f}x) | {c:.2f} ({c / a:.2f}x) |")
 
 
 def decode_attention(repeats):
     """Decode attention over a real KVPool's layer views: the torch path (gather the rows' blocks,
     SDPA with a padding mask) against the native kernel, at W1's and W2's decode shapes."""
     from corekv.engine.kv_pool import KVPool
-    from corekv.engine.native_attention import load_paged_decode
+    from corekv.engine.native_attention import load_native_attention
 
-    native = load_paged_decode()
+    native = load_native_attention().decode
     lines = [f"**Decode attention, one layer, pool of 1,000 blocks x 30 layers** (us; medians of {repeats})", "",
              "| shape | dtype | gather + SDPA | native kernel |", "|---|---|---:|---:|"]
     for dtype in (torch.float32, torch.bfloat16):

@@ -9,7 +9,8 @@ The batch layout is fixed by :class:`corekv.engine.model_runner.ModelRunner`: th
 ``num_decode_tokens`` tokens are single-token chunks (decodes, batched per :class:`DecodeGroup` into
 one padded SDPA call over gathered blocks, or one call of the native kernel that reads the pool
 itself (``engine.compile`` on CPU), plus one for the group's shared leading blocks); the rest are
-prefill chunks (per :class:`PrefillGroup` two calls, then one masked SDPA call for each other chunk).
+prefill chunks (per :class:`PrefillGroup` two calls, then one masked SDPA call for each other chunk;
+or, native, one call of a kernel that reads the pool for all of them).
 
 The runner hands each step's :class:`AttentionMetadata` over through :func:`forward_context`.
 Called outside one (e.g. by ``model.generate``) it is exactly transformers' SDPA attention, so a
@@ -123,6 +124,11 @@ def _paged_attention(meta: AttentionMetadata, layer_idx: int, query, key, value,
             out[rows] = _decode_attention(q[rows], k_cache, v_cache, group, meta, scaling).reshape(
                 group.row_end - group.row_start, num_heads, head_dim)
 
+    if meta.prefill_batch is not None:
+        batch = meta.prefill_batch
+        rows = queries[num_decode:]
+        meta.native.prefill(rows if rows.stride(-1) == 1 else rows.contiguous(), k_cache, v_cache,
+                            batch.block_tables, batch.query_starts, batch.start_pos, scaling, out[num_decode:])
     for group in meta.prefill_groups:
         out[group.token_start:group.token_end] = _prefill_group_attention(
             query, key, value, k_cache, v_cache, group, meta.buffers, scaling)
@@ -144,9 +150,9 @@ def _paged_attention(meta: AttentionMetadata, layer_idx: int, query, key, value,
 
 def _decode_attention(q, k_cache, v_cache, group: DecodeGroup, meta: AttentionMetadata, scaling) -> torch.Tensor:
     """Attention of one group's decode queries ``[B, Hkv, G, D]`` over their blocks."""
-    if meta.native_decode is not None:
+    if meta.native is not None:
         # NOTE: reads each row's own blocks in the pool in one call, no gather (native_attention.py)
-        out_own, lse_own = meta.native_decode(q, k_cache, v_cache, group.block_tables, group.context_lens, scaling)
+        out_own, lse_own = meta.native.decode(q, k_cache, v_cache, group.block_tables, group.context_lens, scaling)
         if group.shared_blocks is None:
             return out_own.to(q.dtype)
     else:

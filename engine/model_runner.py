@@ -16,10 +16,10 @@ import torch
 
 from corekv.errors import CoreKVError
 from corekv.engine.attention import ATTENTION_NAME, forward_context
-from corekv.engine.step_metadata import AttentionMetadata, DecodeGroup, PrefillGroup, PrefillSlice
+from corekv.engine.step_metadata import AttentionMetadata, DecodeGroup, PrefillBatch, PrefillGroup, PrefillSlice
 from corekv.engine.kv_pool import KVPool
 from corekv.engine.models import LoadedModel
-from corekv.engine.native_attention import NATIVE_DECODE_DTYPES, load_paged_decode
+from corekv.engine.native_attention import NATIVE_DTYPES, load_native_attention
 
 
 @dataclass
@@ -54,7 +54,7 @@ class ModelRunner:
 
     def __init__(self, loaded: LoadedModel, kv_pool: KVPool, *,
                  cascade_min_saved_tokens: int = CASCADE_MIN_SAVED_TOKENS, compile: bool = False,
-                 native_decode: bool | None = None) -> None:
+                 native: bool | None = None) -> None:
         if not isinstance(cascade_min_saved_tokens, int) or cascade_min_saved_tokens < 0:
             raise CoreKVError(f"ModelRunner: cascade_min_saved_tokens must be an int >= 0, got "
                               f"{cascade_min_saved_tokens!r}; 0 takes the cascade path for any shared block")
@@ -79,17 +79,17 @@ class ModelRunner:
         # NOTE: torch.compile wraps the model without changing it (a LoadedModel may be shared, and
         # model.generate keeps running it eagerly); dynamic shapes, so steps of any size share a graph.
         self._forward = torch.compile(self.model, dynamic=True) if compile else self.model
-        # NOTE: decodes on CPU take the native attention when asked, by default when compiled: both
-        # build C++ for this machine (load_paged_decode raises NativeBuildError)
-        native_ok = self.device.type == "cpu" and kv_pool.dtype in NATIVE_DECODE_DTYPES
-        if native_decode is None:
-            native_decode = compile and native_ok
-        if not isinstance(native_decode, bool) or (native_decode and not native_ok):
+        # NOTE: attention on CPU takes the native kernels when asked, by default when compiled: both
+        # build C++ for this machine (load_native_attention raises NativeBuildError)
+        native_ok = self.device.type == "cpu" and kv_pool.dtype in NATIVE_DTYPES
+        if native is None:
+            native = compile and native_ok
+        if not isinstance(native, bool) or (native and not native_ok):
             raise CoreKVError(
-                f"ModelRunner: native_decode must be True, False or None, and True only for a CPU pool of "
-                f"{' or '.join(map(str, NATIVE_DECODE_DTYPES))}; got {native_decode!r} for a {kv_pool.dtype} pool "
-                f"on {self.device}: pass native_decode=False (or None) there")
-        self._native_decode = load_paged_decode() if native_decode else None
+                f"ModelRunner: native must be True, False or None, and True only for a CPU pool of "
+                f"{' or '.join(map(str, NATIVE_DTYPES))}; got {native!r} for a {kv_pool.dtype} pool "
+                f"on {self.device}: pass native=False (or None) there")
+        self._native = load_native_attention() if native else None
 
     @torch.inference_mode()
     def execute(self, chunks: Sequence[ScheduledChunk]) -> torch.Tensor:
@@ -143,8 +143,11 @@ class ModelRunner:
     def _prefill_groups(self, chunks: Sequence[ScheduledChunk]) -> tuple[list[tuple[list[int], int]], list[int]]:
         """``([(chunk ids, num_shared_blocks)], other prefill ids)``: prefill chunks of the same length
         that start right after the same cached blocks form a group (see :class:`PrefillGroup`) when
-        that saves gathering at least the cascade threshold; the others keep their own masked call."""
+        that saves gathering at least the cascade threshold; the others keep their own masked call.
+        The native kernel takes every chunk as it comes (it reads shared blocks in place)."""
         bs = self.block_size
+        if self._native is not None:
+            return [], [i for i, chunk in enumerate(chunks) if len(chunk.token_ids) > 1]
         by_key: dict[tuple, list[int]] = {}
         plain = []
         for i, chunk in enumerate(chunks):
@@ -192,8 +195,42 @@ class ModelRunner:
                 begin, begin + num_chunks * lengths[first_plain], num_chunks,
                 torch.tensor(tables[first_plain][:num_shared], dtype=torch.long, device=device)))
             first_plain += num_chunks
+        prefill_batch = None
+        if self._native is not None and first_plain < len(chunks):  # one native call for them all
+            prefill_batch = self._prefill_batch(tables, lengths, starts, first_plain)
+            prefills = []
+        else:
+            prefills = self._prefill_slices(tables, lengths, starts, token_starts, first_plain)
+        meta = AttentionMetadata(
+            kv_pool=self.kv_pool,
+            slot_block_ids=slot_block_ids.to(device),
+            slot_offsets=(positions % bs).to(device),
+            num_decode_tokens=num_decode,
+            decode_groups=decode_groups,
+            prefill_groups=prefill_groups,
+            prefills=prefills,
+            prefill_batch=prefill_batch,
+            buffers=self._gather_buffers,
+            native=self._native,
+        )
+        input_ids = torch.tensor(list(chain.from_iterable(c.token_ids for c in chunks)), dtype=torch.long)
+        last_index = torch.cumsum(lengths_t, 0) - 1
+        return meta, input_ids.to(device), positions.to(device), last_index.to(device)
+
+    def _prefill_batch(self, tables, lengths, starts, first: int) -> PrefillBatch:
+        """Chunks ``first ..`` (the prefills) as one :class:`PrefillBatch` for the native kernel."""
+        rest = range(first, len(tables))
+        width = max(len(tables[i]) for i in rest)
+        padded = [tables[i] + [0] * (width - len(tables[i])) for i in rest]
+        query_starts = torch.cumsum(torch.tensor([0] + [lengths[i] for i in rest]), 0)
+        return PrefillBatch(torch.tensor(padded, dtype=torch.long), query_starts,
+                            torch.tensor([starts[i] for i in rest]))
+
+    def _prefill_slices(self, tables, lengths, starts, token_starts, first: int) -> list[PrefillSlice]:
+        """Chunks ``first ..`` (the prefills outside groups), each with its own masked SDPA call."""
+        device = self.device
         prefills = []
-        for i in range(first_plain, len(chunks)):
+        for i in range(first, len(tables)):
             start, n = starts[i], lengths[i]
             mask = None
             if start:
@@ -206,20 +243,7 @@ class ModelRunner:
             begin = int(token_starts[i])
             prefills.append(PrefillSlice(begin, begin + n, start, start + n,
                                          torch.tensor(tables[i], dtype=torch.long, device=device), mask))
-        meta = AttentionMetadata(
-            kv_pool=self.kv_pool,
-            slot_block_ids=slot_block_ids.to(device),
-            slot_offsets=(positions % bs).to(device),
-            num_decode_tokens=num_decode,
-            decode_groups=decode_groups,
-            prefill_groups=prefill_groups,
-            prefills=prefills,
-            buffers=self._gather_buffers,
-            native_decode=self._native_decode,
-        )
-        input_ids = torch.tensor(list(chain.from_iterable(c.token_ids for c in chunks)), dtype=torch.long)
-        last_index = torch.cumsum(lengths_t, 0) - 1
-        return meta, input_ids.to(device), positions.to(device), last_index.to(device)
+        return prefills
 
     def _decode_group(self, row_start: int, tables: list[list[int]], starts: list[int], num_shared: int) -> DecodeGroup:
         """Padded block tables (after the shared blocks) and additive padding mask of one group."""
@@ -229,7 +253,7 @@ class ModelRunner:
                               dtype=torch.long)
         context = torch.tensor(starts) + 1 - num_shared * bs
         mask = None
-        if self._native_decode is None and bool((context != max_blocks * bs).any()):  # native: bound by context
+        if self._native is None and bool((context != max_blocks * bs).any()):  # native: bound by context
             valid = torch.arange(max_blocks * bs)[None] < context[:, None]
             mask = torch.zeros(valid.shape, dtype=self.kv_pool.dtype).masked_fill_(~valid, float("-inf"))
             mask = mask[:, None, None].to(device)

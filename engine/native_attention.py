@@ -1,8 +1,12 @@
-"""corekv's native CPU decode attention (``engine.compile``), built from ``paged_decode.cpp``.
+"""corekv's native CPU attention (``engine.compile``), built from ``paged_attention.cpp``.
 
-Each decoding row's query attends its KV read straight from the pool blocks in one C++ call per
-layer, where the torch path copies the blocks into a contiguous buffer and calls SDPA: fewer ops
-and bytes per layer, which is what a decode step of a small model is made of on a CPU.
+Two kernels read K/V straight from the pool blocks through block tables, one C++ call per layer
+each, where the torch path copies the blocks into contiguous buffers and calls SDPA:
+
+* ``paged_decode``: each decoding row's query over its context (a decode step of a small model is
+  made of such per-layer ops and bytes on a CPU);
+* ``paged_prefill``: every prefill chunk of the step, causally over its sequence's blocks: no
+  gather, no mask tensor, no merge of a shared prefix's and a chunk's own parts.
 
 NOTE: compiled with -ffast-math (vectorised exp, reordered sums: 0.6x the time of a strict build
 here) for finite inputs, as a model's Q/K/V are; only compile flags, so no code that changes the
@@ -17,27 +21,35 @@ from __future__ import annotations
 import os
 import shutil
 from pathlib import Path
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import torch
 
 from corekv.errors import CoreKVError, describe_exception
 
-SOURCE = Path(__file__).with_name("paged_decode.cpp")
-#: pool dtypes the kernel reads (a float16 model keeps the torch path)
-NATIVE_DECODE_DTYPES = (torch.float32, torch.bfloat16)
-_decode: Callable | None = None
+SOURCE = Path(__file__).with_name("paged_attention.cpp")
+#: pool dtypes the kernels read (a float16 model keeps the torch path)
+NATIVE_DTYPES = (torch.float32, torch.bfloat16)
+_kernels: NativeKernels | None = None
+
+
+class NativeKernels(NamedTuple):
+    """The built kernels (signatures in ``paged_attention.cpp``'s header)."""
+
+    #: ``(q [R, H, G, D], k_pool, v_pool, block_tables, context_lens, scale) -> (out, lse)`` (float32)
+    decode: Callable
+    #: ``(q [T, H * G, D], k_pool, v_pool, block_tables, query_starts, start_pos, scale, out) -> None``
+    prefill: Callable
 
 
 class NativeBuildError(CoreKVError):
-    """The native decode attention could not be built (no C++ compiler, no ninja, a failed build)."""
+    """The native attention could not be built (no C++ compiler, no ninja, a failed build)."""
 
 
-def load_paged_decode() -> Callable:
-    """``paged_decode(q, k_pool, v_pool, block_tables, context_lens, scale) -> (out, lse)`` (see the
-    source's header), building it once per process; raises :class:`NativeBuildError`."""
-    global _decode
-    if _decode is None:
+def load_native_attention() -> NativeKernels:
+    """The kernels, built once per process (see the module's docstring); raises :class:`NativeBuildError`."""
+    global _kernels
+    if _kernels is None:
         from torch.utils import cpp_extension
 
         if shutil.which("ninja") is None:
@@ -47,12 +59,12 @@ def load_paged_decode() -> Callable:
             except ImportError:
                 pass
         try:
-            module = cpp_extension.load(name="corekv_paged_decode", sources=[str(SOURCE)],
+            module = cpp_extension.load(name="corekv_paged_attention", sources=[str(SOURCE)],
                                         extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffast-math"],
                                         extra_ldflags=["-fopenmp"])
         except Exception as exc:  # compiler, ninja and build failures come as several exception types
             raise NativeBuildError(
-                f"could not build corekv's native decode attention ({describe_exception(exc)}); it needs a "
+                f"could not build corekv's native attention ({describe_exception(exc)}); it needs a "
                 "C++ compiler (g++, or the one named by $CXX) and ninja (pip install ninja)") from exc
-        _decode = module.paged_decode
-    return _decode
+        _kernels = NativeKernels(module.paged_decode, module.paged_prefill)
+    return _kernels

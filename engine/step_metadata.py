@@ -6,11 +6,10 @@ and :mod:`corekv.engine.attention` reads it in every layer.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable
-
 import torch
 
 from corekv.engine.kv_pool import KVPool
+from corekv.engine.native_attention import NativeKernels
 
 
 @dataclass
@@ -43,6 +42,20 @@ class PrefillGroup:
     num_chunks: int
     #: long [num_shared_blocks]
     shared_blocks: torch.Tensor
+
+
+@dataclass
+class PrefillBatch:
+    """Every prefill chunk of the step, for the native kernel (one call per layer): chunk ``c``'s
+    queries are the prefill tokens ``query_starts[c] .. query_starts[c + 1] - 1`` (counted after the
+    decodes), at positions ``start_pos[c] ..``, attending causally over their sequence's blocks."""
+
+    #: long [chunks, max_blocks], each row covering its chunk's context (padded with block 0)
+    block_tables: torch.Tensor
+    #: long [chunks + 1]
+    query_starts: torch.Tensor
+    #: long [chunks]
+    start_pos: torch.Tensor
 
 
 @dataclass
@@ -82,12 +95,14 @@ class AttentionMetadata:
     num_decode_tokens: int = 0
     decode_groups: list[DecodeGroup] = field(default_factory=list)
     #: the prefill chunks after the decodes: first the groups', then each remaining one's slice
+    #: (torch path), or all of them as one batch (native path)
     prefill_groups: list[PrefillGroup] = field(default_factory=list)
     prefills: list[PrefillSlice] = field(default_factory=list)
+    prefill_batch: PrefillBatch | None = None
     #: reusable gather buffers by name (owned by the runner, kept across steps; see ``_gather``)
     buffers: dict[str, torch.Tensor] = field(default_factory=dict)
-    #: the native decode attention (:mod:`corekv.engine.native_attention`), or None for the torch path
-    native_decode: Callable | None = None
+    #: the native attention kernels (:mod:`corekv.engine.native_attention`), or None for the torch path
+    native: NativeKernels | None = None
     #: attention calls seen this forward; the runner checks it equals the number of layers, so a
     #: model that bypasses the AttentionInterface fails loudly instead of leaving the pool unwritten
     num_layer_calls: int = 0

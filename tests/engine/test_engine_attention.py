@@ -16,16 +16,16 @@ from corekv.engine.kv_pool import KVPool
 from corekv.engine.model_runner import CASCADE_MIN_SAVED_TOKENS, ModelRunner, ScheduledChunk, cascade_groups
 
 
-def make_runner(loaded, num_blocks=64, block_size=16, cascade_min_saved_tokens=0, native_decode=False):
+def make_runner(loaded, num_blocks=64, block_size=16, cascade_min_saved_tokens=0, native=False):
     """A runner whose decodes take the cascade path for any shared block (these tests' groups are
     far smaller than the engine's default threshold)."""
     pool = KVPool(loaded.num_layers, num_blocks, block_size, loaded.num_kv_heads, loaded.head_dim,
                   loaded.dtype, loaded.device)
-    return ModelRunner(loaded, pool, cascade_min_saved_tokens=cascade_min_saved_tokens, native_decode=native_decode)
+    return ModelRunner(loaded, pool, cascade_min_saved_tokens=cascade_min_saved_tokens, native=native)
 
 
-#: decodes through the torch path (gather + SDPA) and through the native kernel (engine.compile's)
-DECODE_PATHS = pytest.mark.parametrize("native_decode", [False, True], ids=["torch_decode", "native_decode"])
+#: attention through the torch path (gather + SDPA) and through the native kernels (engine.compile's)
+ATTENTION_PATHS = pytest.mark.parametrize("native", [False, True], ids=["torch_attention", "native_attention"])
 
 
 def reference_logits(loaded, hf_attention, token_ids):
@@ -49,9 +49,10 @@ def shuffled_tables(num_blocks, sizes, seed=0):
     return tables
 
 
-def test_one_chunk_prefill_matches_hf(tiny_llama, hf_attention):
+@ATTENTION_PATHS
+def test_one_chunk_prefill_matches_hf(tiny_llama, hf_attention, native):
     ids = random_ids(0, 70)
-    runner = make_runner(tiny_llama)
+    runner = make_runner(tiny_llama, native=native)
     (table,) = shuffled_tables(64, [5])
     logits = runner.execute([ScheduledChunk(ids, 0, table)])
     assert logits.shape == (1, tiny_llama.vocab_size) and logits.dtype == torch.float32
@@ -59,11 +60,11 @@ def test_one_chunk_prefill_matches_hf(tiny_llama, hf_attention):
 
 
 @pytest.mark.parametrize("block_size", [16, 32])
-@DECODE_PATHS
-def test_chunked_prefill_then_decode_matches_hf(tiny_llama, hf_attention, block_size, native_decode):
+@ATTENTION_PATHS
+def test_chunked_prefill_then_decode_matches_hf(tiny_llama, hf_attention, block_size, native):
     ids = random_ids(1, 120)
     reference = reference_logits(tiny_llama, hf_attention, ids)
-    runner = make_runner(tiny_llama, num_blocks=32, block_size=block_size, native_decode=native_decode)
+    runner = make_runner(tiny_llama, num_blocks=32, block_size=block_size, native=native)
     (table,) = shuffled_tables(32, [120 // block_size + 1], seed=block_size)
     bounds = [0, 7, 40, 41, 90, 100]  # chunk ends fall inside blocks and on block edges
     for start, end in zip(bounds, bounds[1:]):
@@ -74,10 +75,11 @@ def test_chunked_prefill_then_decode_matches_hf(tiny_llama, hf_attention, block_
         torch.testing.assert_close(logits[0], reference[pos], rtol=1e-5, atol=1e-5)
 
 
-def test_mixed_batch_of_prefill_chunks_and_decodes(tiny_llama, hf_attention):
+@ATTENTION_PATHS
+def test_mixed_batch_of_prefill_chunks_and_decodes(tiny_llama, hf_attention, native):
     seqs = [random_ids(10 + i, n) for i, n in enumerate([50, 33, 17, 64])]
     references = [reference_logits(tiny_llama, hf_attention, s) for s in seqs]
-    runner = make_runner(tiny_llama, num_blocks=64, block_size=16)
+    runner = make_runner(tiny_llama, num_blocks=64, block_size=16, native=native)
     tables = shuffled_tables(64, [4, 3, 2, 4], seed=3)
     # Step 1: seqs 0-2 prefill all but their last token; seq 3 prefills its first 30.
     runner.execute([ScheduledChunk(s[:-1], 0, t) for s, t in zip(seqs[:3], tables)]
@@ -92,10 +94,11 @@ def test_mixed_batch_of_prefill_chunks_and_decodes(tiny_llama, hf_attention):
     torch.testing.assert_close(logits, expected, rtol=1e-5, atol=1e-5)
 
 
-def test_two_prefill_chunks_with_cached_context_in_one_step(tiny_llama, hf_attention):
+@ATTENTION_PATHS
+def test_two_prefill_chunks_with_cached_context_in_one_step(tiny_llama, hf_attention, native):
     a, b = random_ids(20, 60), random_ids(21, 45)
     ref_a, ref_b = reference_logits(tiny_llama, hf_attention, a), reference_logits(tiny_llama, hf_attention, b)
-    runner = make_runner(tiny_llama, num_blocks=16, block_size=16)
+    runner = make_runner(tiny_llama, num_blocks=16, block_size=16, native=native)
     ta, tb = shuffled_tables(16, [4, 3], seed=5)
     runner.execute([ScheduledChunk(a[:20], 0, ta), ScheduledChunk(b[:5], 0, tb)])
     logits = runner.execute([ScheduledChunk(a[20:60], 20, ta), ScheduledChunk(b[5:45], 5, tb)])
@@ -112,12 +115,13 @@ def test_step_writes_only_its_own_slots(tiny_llama):
     assert torch.count_nonzero(pool.storage[2][:, :, 4:]) == 0
 
 
-def test_prefix_blocks_from_another_sequence_are_reused(tiny_llama, hf_attention):
+@ATTENTION_PATHS
+def test_prefix_blocks_from_another_sequence_are_reused(tiny_llama, hf_attention, native):
     """A sequence whose first blocks were computed by another one (a prefix-cache hit) only
     computes its own suffix, and gets the same logits."""
     shared = random_ids(40, 32)
     a, b = shared + random_ids(41, 10), shared + random_ids(42, 13)
-    runner = make_runner(tiny_llama, num_blocks=16, block_size=16)
+    runner = make_runner(tiny_llama, num_blocks=16, block_size=16, native=native)
     runner.execute([ScheduledChunk(a, 0, [9, 4, 11])])
     logits = runner.execute([ScheduledChunk(b[32:], 32, [9, 4, 7])])
     torch.testing.assert_close(logits[0], reference_logits(tiny_llama, hf_attention, b)[-1], rtol=1e-5, atol=1e-5)
@@ -209,9 +213,10 @@ def test_smollm2_greedy_equals_hf_generate(smollm2, hf_attention):
                 expected.append(out[0, len(prompt):].tolist())
     finally:
         torch.set_num_threads(num_threads)
-    runner = make_runner(smollm2, num_blocks=64, block_size=16)
-    outputs = greedy_with_runner(runner, prompts, max_new_tokens, 48, smollm2.eos_token_ids)
-    assert outputs == expected
+    for native in (False, True):  # the torch path and engine.compile's native kernels
+        runner = make_runner(smollm2, num_blocks=64, block_size=16, native=native)
+        outputs = greedy_with_runner(runner, prompts, max_new_tokens, 48, smollm2.eos_token_ids)
+        assert outputs == expected, f"native={native}"
 
 
 def test_smollm2_logits_match_hf_with_block_size_32(smollm2, hf_attention):
@@ -227,13 +232,13 @@ def test_smollm2_logits_match_hf_with_block_size_32(smollm2, hf_attention):
 
 
 @pytest.mark.parametrize("suffix_lengths", [(3, 20, 40), (1, 1, 1)])
-@DECODE_PATHS
-def test_decodes_sharing_leading_blocks_match_hf(tiny_llama, hf_attention, suffix_lengths, native_decode):
+@ATTENTION_PATHS
+def test_decodes_sharing_leading_blocks_match_hf(tiny_llama, hf_attention, suffix_lengths, native):
     """Decodes whose block tables start with the same blocks (a shared system prompt) take the
     cascade path: the shared blocks are attended once for all of them."""
     shared = random_ids(60, 48)  # three full blocks of 16
     seqs = [shared + random_ids(61 + i, n) for i, n in enumerate(suffix_lengths)]
-    runner = make_runner(tiny_llama, num_blocks=24, block_size=16, native_decode=native_decode)
+    runner = make_runner(tiny_llama, num_blocks=24, block_size=16, native=native)
     prefix_table = [17, 3, 11]
     runner.execute([ScheduledChunk(shared, 0, prefix_table)])
     free = [b for b in range(24) if b not in prefix_table]
@@ -283,35 +288,39 @@ def test_equal_prefill_chunks_after_the_same_cached_blocks_take_the_group_path_a
     """W2's shape in small: prompts sharing a cached prefix, their equal-length remainders in one
     step. Those form a PrefillGroup (shared blocks attended once, one batched causal call); a
     chunk of another length and one starting mid-block keep their own masked call. Every chunk's
-    logits match HF's, and the group's match the masked path's."""
+    logits match HF's, and the group's match the masked path's and the native kernel's (which
+    takes all five chunks in one call)."""
     shared = random_ids(70, 48)  # three blocks of 16, computed once
     tails = [random_ids(71 + i, n) for i, n in enumerate((20, 20, 20, 9))]
     offcut = random_ids(79, 60)  # its second chunk starts at position 40: mid-block
     results = []
-    for threshold in (0, 10**6):
-        runner = make_runner(tiny_llama, num_blocks=40, block_size=16, cascade_min_saved_tokens=threshold)
+    for threshold, native in ((0, False), (10**6, False), (0, True)):
+        runner = make_runner(tiny_llama, num_blocks=40, block_size=16, cascade_min_saved_tokens=threshold,
+                             native=native)
         prefix_table = [30, 5, 12]
         runner.execute([ScheduledChunk(shared, 0, prefix_table), ScheduledChunk(offcut[:40], 0, [1, 2, 3, 4])])
         tables = [prefix_table + [14 + 2 * i, 15 + 2 * i] for i in range(len(tails))]
         chunks = [ScheduledChunk(t, 48, table) for t, table in zip(tails, tables)]
         chunks.insert(2, ScheduledChunk(offcut[40:], 40, [1, 2, 3, 4]))
         groups, plain = runner._prefill_groups(chunks)
-        assert (groups, plain) == (([([0, 1, 3], 3)], [2, 4]) if threshold == 0 else ([], [0, 1, 2, 3, 4]))
+        grouped = threshold == 0 and not native
+        assert (groups, plain) == (([([0, 1, 3], 3)], [2, 4]) if grouped else ([], [0, 1, 2, 3, 4]))
         results.append(runner.execute(chunks))
     expected = [reference_logits(tiny_llama, hf_attention, shared + t)[-1] for t in tails]
     expected.insert(2, reference_logits(tiny_llama, hf_attention, offcut)[-1])
     torch.testing.assert_close(results[0], torch.stack(expected), rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(results[0], results[1], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(results[2], results[1], rtol=1e-5, atol=1e-5)
 
 
-@DECODE_PATHS
-def test_decodes_in_two_prefix_groups_and_a_loner_match_hf(tiny_llama, hf_attention, native_decode):
+@ATTENTION_PATHS
+def test_decodes_in_two_prefix_groups_and_a_loner_match_hf(tiny_llama, hf_attention, native):
     """Two groups of decodes, each sharing its own prefix blocks, and one sequence sharing nothing,
     submitted interleaved: each group attends its prefix once, the loner takes the plain path, and
     every row's logits come back in the caller's order."""
     prefixes = [random_ids(80, 32), random_ids(81, 48)]
     prefix_tables = [[4, 9], [13, 2, 20]]
-    runner = make_runner(tiny_llama, num_blocks=40, block_size=16, native_decode=native_decode)
+    runner = make_runner(tiny_llama, num_blocks=40, block_size=16, native=native)
     runner.execute([ScheduledChunk(p, 0, t) for p, t in zip(prefixes, prefix_tables)])
     free = iter([b for b in range(40) if b not in (4, 9, 13, 2, 20)])
     seqs, tables = [], []
@@ -328,8 +337,8 @@ def test_decodes_in_two_prefix_groups_and_a_loner_match_hf(tiny_llama, hf_attent
     torch.testing.assert_close(logits, expected, rtol=1e-5, atol=1e-5)
 
 
-@DECODE_PATHS
-def test_bfloat16_runner_tracks_hf_bfloat16(hf_attention, native_decode):
+@ATTENTION_PATHS
+def test_bfloat16_runner_tracks_hf_bfloat16(hf_attention, native):
     """bfloat16 end to end (pool, masks, cascade merge): same greedy argmax as HF's own bf16 forward
     and logits within bf16 rounding."""
     from corekv.engine.models import make_tiny_llama
@@ -337,7 +346,7 @@ def test_bfloat16_runner_tracks_hf_bfloat16(hf_attention, native_decode):
     loaded = make_tiny_llama(dtype="bfloat16")
     shared = random_ids(70, 32)
     seqs = [shared + random_ids(71 + i, 9 + i) for i in range(3)]
-    runner = make_runner(loaded, num_blocks=16, block_size=16, native_decode=native_decode)
+    runner = make_runner(loaded, num_blocks=16, block_size=16, native=native)
     tables = [[5, 9, 1], [5, 9, 2], [5, 9, 3]]
     runner.execute([ScheduledChunk(shared, 0, tables[0])])
     runner.execute([ScheduledChunk(s[32:-1], 32, t) for s, t in zip(seqs, tables)])

@@ -28,7 +28,7 @@ def test_compiled_engine_serves_generates_tokens_and_leaves_the_model_eager(tiny
                                                    compile=True), cache=CacheConfig(backend="radix"))
     engine = Engine(cfg, model=tiny_llama)  # compiles: the runner warms up the step shapes
     assert engine.runner._forward is not tiny_llama.model
-    assert engine.runner._native_decode is not None  # decodes attend through the native kernel
+    assert engine.runner._native is not None  # attention runs through the native kernels
     graphs = dict(counters["stats"])
     got = [o.token_ids for o in engine.generate(prompts, GREEDY)]
     assert dict(counters["stats"]) == graphs  # serving compiled nothing new: the warm-up covered it
@@ -88,10 +88,10 @@ def test_compile_without_a_cpp_compiler_is_a_clear_config_error(tmp_path):
 
 
 def test_a_failed_native_build_is_a_clear_config_error(tmp_path):
-    """A real build of the native decode attention in a fresh process and an empty extension cache,
+    """A real build of the native attention in a fresh process and an empty extension cache,
     with $CXX naming a compiler that does not exist."""
     out = start_compiled_tiny_engine({"CXX": "/nonexistent/c++", "TORCH_EXTENSIONS_DIR": str(tmp_path / "ext")})
-    assert "ERROR engine.compile: could not build corekv's native decode attention" in out.stdout, \
+    assert "ERROR engine.compile: could not build corekv's native attention" in out.stdout, \
         out.stdout + out.stderr[-2000:]
     assert "set engine.compile: false" in out.stdout
 

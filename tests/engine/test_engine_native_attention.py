@@ -1,5 +1,5 @@
-"""corekv's native decode attention (engine/paged_decode.cpp, really built with g++ here) against a
-float64 softmax over the same blocks; its checks; its build (a failed one: test_engine_compile.py)."""
+"""corekv's native attention kernels (engine/paged_attention.cpp, really built with g++ here) against
+a float64 softmax over the same blocks; their checks; the build (a failed one: test_engine_compile.py)."""
 from __future__ import annotations
 
 import os
@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from corekv.engine.kv_pool import KVPool
-from corekv.engine.native_attention import load_paged_decode
+from corekv.engine.native_attention import load_native_attention
 
 
 def reference(q, k_pool, v_pool, tables, lens, scale):
@@ -54,7 +54,7 @@ def test_native_decode_equals_a_float64_softmax_over_the_rows_blocks(dtype):
             k_pool[tables[r, j], tail:] = float("nan")
             v_pool[tables[r, j], tail:] = float("nan")
     q = torch.randn(len(lens), 2, 4, 64).to(dtype)
-    out, lse = load_paged_decode()(q, k_pool, v_pool, tables, lens, 0.125)
+    out, lse = load_native_attention().decode(q, k_pool, v_pool, tables, lens, 0.125)
     expected_out, expected_lse = reference(q, k_pool, v_pool, tables, lens, 0.125)
     assert out.dtype == lse.dtype == torch.float32 and out.shape == q.shape and lse.shape == q.shape[:3]
     torch.testing.assert_close(out.double(), expected_out, rtol=1e-5, atol=1e-5)
@@ -62,7 +62,7 @@ def test_native_decode_equals_a_float64_softmax_over_the_rows_blocks(dtype):
 
 
 def test_native_decode_checks_its_arguments():
-    decode = load_paged_decode()
+    decode = load_native_attention().decode
     pool = KVPool(num_layers=2, num_blocks=4, block_size=16, num_kv_heads=2, head_dim=8, dtype=torch.float32,
                   device="cpu")
     k, v = pool.layer_kv(0)
@@ -79,6 +79,87 @@ def test_native_decode_checks_its_arguments():
         decode(q, k, v, torch.tensor([[0, 4]]), torch.tensor([20]), 1.0)
 
 
+def prefill_reference(q, k_pool, v_pool, tables, query_starts, start_pos, scale):
+    """float64 causal attention of each chunk's queries over its sequence's first positions."""
+    heads, bs = k_pool.shape[2], k_pool.shape[1]
+    outs = []
+    for c in range(len(start_pos)):
+        first, n = int(start_pos[c]), int(query_starts[c + 1] - query_starts[c])
+        positions = torch.arange(first + n)
+        blocks = tables[c][positions // bs]
+        k = k_pool[blocks, positions % bs].double()  # [ctx, H, D]
+        v = v_pool[blocks, positions % bs].double()
+        queries = q[query_starts[c]:query_starts[c + 1]].double().view(n, heads, -1, q.shape[-1])  # [n, H, G, D]
+        scores = torch.einsum("nhgd,thd->nhgt", queries, k) * scale
+        hidden = positions[None] > torch.arange(first, first + n)[:, None]  # [n, ctx]
+        scores = scores.masked_fill(hidden[:, None, None], float("-inf"))
+        outs.append(torch.einsum("nhgt,thd->nhgd", torch.softmax(scores, -1), v).reshape(n, -1, q.shape[-1]))
+    return torch.cat(outs)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_native_prefill_equals_a_float64_causal_softmax_over_each_chunks_blocks(dtype):
+    """One call for chunks of 1 token, part of a block, several 16-query tiles (and a ragged last
+    one), from position 0, after cached positions (mid-block too), and two chunks after the same
+    shared blocks (W2's shape); NaN in every position no chunk may read, so a read past a query's
+    own position, or of another chunk's blocks, would show."""
+    torch.manual_seed(0)
+    pool = KVPool(num_layers=2, num_blocks=60, block_size=16, num_kv_heads=2, head_dim=64, dtype=dtype, device="cpu")
+    pool.storage.fill_(float("nan"))
+    k_pool, v_pool = pool.layer_kv(1)
+    # (start_pos, queries) per chunk; the last two share their first three blocks
+    chunks = [(0, 1), (0, 7), (5, 40), (0, 77), (300, 20), (48, 33), (48, 16)]
+    width = max(-(-(s + n) // 16) for s, n in chunks)
+    tables = torch.full((len(chunks), width), 59, dtype=torch.long)  # padding: block 59, all NaN
+    free = torch.randperm(59).tolist()
+    for c, (first, n) in enumerate(chunks):
+        for j in range(-(-(first + n) // 16)):
+            tables[c, j] = tables[c - 1, j] if c == len(chunks) - 1 and j < 3 else free.pop()
+            k_pool[tables[c, j]] = torch.randn(16, 2, 64).to(dtype)
+            v_pool[tables[c, j]] = torch.randn(16, 2, 64).to(dtype)
+        tail = (first + n) % 16
+        if tail:  # past the chunk's last position in its own last block: NaN again
+            k_pool[tables[c, (first + n) // 16], tail:] = float("nan")
+            v_pool[tables[c, (first + n) // 16], tail:] = float("nan")
+    query_starts = torch.cumsum(torch.tensor([0] + [n for _, n in chunks]), 0)
+    start_pos = torch.tensor([s for s, _ in chunks])
+    q = torch.randn(int(query_starts[-1]), 8, 64).to(dtype)  # 8 query heads over 2 KV heads
+    out = torch.full_like(q, float("nan"))
+    load_native_attention().prefill(q, k_pool, v_pool, tables, query_starts, start_pos, 0.125, out)
+    expected = prefill_reference(q, k_pool, v_pool, tables, query_starts, start_pos, 0.125)
+    tolerance = 1e-5 if dtype == torch.float32 else 1e-2  # bfloat16: the output's own rounding
+    torch.testing.assert_close(out.double(), expected, rtol=tolerance, atol=tolerance)
+
+
+def test_native_prefill_reads_strided_queries_and_checks_its_arguments():
+    prefill = load_native_attention().prefill
+    pool = KVPool(num_layers=2, num_blocks=4, block_size=16, num_kv_heads=2, head_dim=8, dtype=torch.float32,
+                  device="cpu")
+    pool.storage.normal_()
+    k, v = pool.layer_kv(0)
+    table, starts, first = torch.tensor([[2, 1]]), torch.tensor([0, 5]), torch.tensor([10])
+    q = torch.randn(4, 5, 8).transpose(0, 1)  # [5 tokens, 4 heads, 8], tokens not adjacent in memory
+    out = torch.empty(5, 4, 8)
+    prefill(q, k, v, table, starts, first, 0.5, out)
+    torch.testing.assert_close(out.double(), prefill_reference(q, k, v, table, starts, first, 0.5),
+                               rtol=1e-5, atol=1e-5)
+    q = q.contiguous()
+    with pytest.raises(RuntimeError, match="context length is outside its block table"):
+        prefill(q, k, v, table, starts, torch.tensor([28]), 1.0, out)  # positions 28..32 need a third block
+    with pytest.raises(RuntimeError, match="block id is outside the pool"):
+        prefill(q, k, v, torch.tensor([[4, 1]]), starts, first, 1.0, out)
+    with pytest.raises(RuntimeError, match="query_starts must run from 0"):
+        prefill(q, k, v, table, torch.tensor([0, 4]), first, 1.0, out)
+    with pytest.raises(RuntimeError, match="every chunk needs a query"):
+        prefill(q, k, v, torch.tensor([[2, 1], [3, 0]]), torch.tensor([0, 5, 5]), torch.tensor([0, 0]), 1.0, out)
+    with pytest.raises(RuntimeError, match="multiple of the pool's KV heads"):
+        prefill(torch.zeros(5, 3, 8), k, v, table, starts, first, 1.0, out)
+    with pytest.raises(RuntimeError, match="of the pool's dtype"):
+        prefill(q.double(), k, v, table, starts, first, 1.0, out)
+    with pytest.raises(RuntimeError, match="int64"):
+        prefill(q, k, v, table, starts.int(), first, 1.0, out)
+
+
 def test_runner_takes_the_native_path_only_where_the_kernel_serves(tiny_llama):
     """By default with compile on a float32/bfloat16 CPU pool; asking for it elsewhere is an error
     naming the fix, not a failure at the first decode."""
@@ -89,19 +170,19 @@ def test_runner_takes_the_native_path_only_where_the_kernel_serves(tiny_llama):
     def pool(loaded):
         return KVPool(loaded.num_layers, 8, 16, loaded.num_kv_heads, loaded.head_dim, loaded.dtype, "cpu")
 
-    assert ModelRunner(tiny_llama, pool(tiny_llama))._native_decode is None
-    assert ModelRunner(tiny_llama, pool(tiny_llama), native_decode=True)._native_decode is not None
+    assert ModelRunner(tiny_llama, pool(tiny_llama))._native is None
+    assert ModelRunner(tiny_llama, pool(tiny_llama), native=True)._native is not None
     half = make_tiny_llama(dtype="float16")
-    with pytest.raises(CoreKVError, match="native_decode=False"):
-        ModelRunner(half, pool(half), native_decode=True)
+    with pytest.raises(CoreKVError, match="native=False"):
+        ModelRunner(half, pool(half), native=True)
     with pytest.raises(CoreKVError, match="must be True, False or None"):
-        ModelRunner(tiny_llama, pool(tiny_llama), native_decode=1)
+        ModelRunner(tiny_llama, pool(tiny_llama), native=1)
 
 
 def test_loading_the_native_kernel_leaves_subnormal_floats_alone():
     """It is compiled with -ffast-math; linking that flag would turn on flush-to-zero for the whole
     process (and change every model's results), so only the compile step may carry it."""
-    load_paged_decode()
+    load_native_attention()
     tiny = torch.tensor([1e-40, -3e-42])
     assert bool((tiny * 1.0 != 0).all()) and bool((torch.tensor([1e-38]) / 1000 != 0).all())
 
@@ -119,7 +200,7 @@ def test_the_build_finds_the_ninja_wheel_when_no_ninja_is_on_path(tmp_path):
             (tools / name).symlink_to(shutil.which(name))
     env = dict(os.environ, PATH=str(tools), TORCH_EXTENSIONS_DIR=str(tmp_path / "ext"))
     code = ("import shutil; assert shutil.which('ninja') is None\n"
-            "from corekv.engine.native_attention import load_paged_decode\n"
-            "load_paged_decode(); print('BUILT', shutil.which('ninja'))\n")
+            "from corekv.engine.native_attention import load_native_attention\n"
+            "load_native_attention(); print('BUILT', shutil.which('ninja'))\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=600)
     assert "BUILT " in out.stdout and out.stdout.strip().endswith("ninja"), out.stdout + out.stderr[-2000:]
