@@ -6,6 +6,7 @@ and :mod:`corekv.engine.attention` reads it in every layer.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+
 import torch
 
 from corekv.engine.kv_pool import KVPool
