@@ -76,6 +76,12 @@ def forward_context(meta: AttentionMetadata):
 _step = threading.local()
 
 
+def in_native_step() -> bool:
+    """True inside :func:`forward_context` of a step that runs the native kernels, on this thread."""
+    meta = getattr(_step, "meta", None)
+    return meta is not None and meta.native is not None
+
+
 def _refuse_unsupported(module, kwargs) -> None:
     if kwargs.get("sliding_window") or kwargs.get("softcap") or getattr(module, "sinks", None) is not None:
         raise CoreKVError(

@@ -11,6 +11,8 @@ from typing import Any, Optional
 import torch
 import torch.nn.functional as F
 
+from corekv.engine.attention import in_native_step
+
 
 def prepare_linear_weights(hf_model: Any) -> None:
     """Lay out each CPU ``nn.Linear`` weight for the GEMM that reads it; results are unchanged.
@@ -52,8 +54,8 @@ def prepare_linear_weights(hf_model: Any) -> None:
 #: a bfloat16 CPU Linear called with at least this many rows multiplies in float32 (see above)
 BF16_UPCAST_MIN_ROWS = 128
 
-#: oneDNN-packed bfloat16 weights, by the handle their module's forward passes to the custom op
-#: (weak references: a packed copy lives as long as its module's forward)
+#: packed weights (oneDNN's for bfloat16, panels for the native float32 kernel), by the handle their
+#: module's forward passes to its custom op (weak references: a copy lives as long as its forward)
 _PACKED: list[weakref.ref] = []
 
 
@@ -87,5 +89,73 @@ def _bfloat16_linear_op(x: torch.Tensor, weight: torch.Tensor, bias: Optional[to
 
 
 @_bfloat16_linear_op.register_fake
+def _(x, weight, bias, handle):
+    return x.new_empty(*x.shape[:-1], weight.shape[0])
+
+
+#: a float32 Linear inside a native runner's step takes the native kernel from 2 up to this many
+#: rows (a decode step's; one row is a GEMV MKL streams as fast, and a prefill's thousand rows stay
+#: with MKL, which is at the FMA peak there).
+#: NOTE: measured at 2 threads over SmolLM2's 30 layers: 0.73x MKL's time at 5 rows, 0.65-0.70x
+#: at 8, 0.70-0.76x at 16, 0.77-0.88x at 32 (BENCHMARKS.md, session 6).
+NATIVE_LINEAR_MAX_ROWS = 32
+
+
+def use_native_float32_linears(hf_model: Any, kernels) -> None:
+    """Give each float32 CPU ``nn.Linear`` whose output size is a multiple of 64 a packed copy of
+    its weight, multiplied by ``kernels.small_linear`` for 2 to :data:`NATIVE_LINEAR_MAX_ROWS`
+    rows during a step of a native runner (``engine.compile``); anything else (other rows, a
+    torch-path runner's steps, ``model.generate`` and other plain Hugging Face use) is ``F.linear``
+    as before. Idempotent. The packed copies double the float32 weights' memory (+540 MB for
+    SmolLM2-135M, tied ``lm_head`` included).
+    """
+    for module in hf_model.modules():
+        weight = getattr(module, "weight", None)
+        if (not isinstance(module, torch.nn.Linear) or weight.device.type != "cpu" or weight.dtype != torch.float32
+                or weight.shape[0] % 64 or getattr(module, "_corekv_native_linear", False)):
+            continue
+        module.forward = _native_float32_linear(weight.detach(), module.bias, kernels)
+        module._corekv_native_linear = True
+
+
+def _native_float32_linear(weight: torch.Tensor, bias: torch.Tensor | None, kernels):
+    """``forward`` of a float32 CPU Linear with a packed copy (see :func:`use_native_float32_linears`).
+
+    NOTE: under torch.compile an opaque op for decode-sized steps only (see the guard below): a
+    compiled engine holds one more graph (its start took 119 s instead of 76 here).
+    """
+    packed = kernels.pack_linear_weight(weight)
+    handle = len(_PACKED)
+    _PACKED.append(weakref.ref(packed))
+    small = kernels.small_linear
+
+    def forward(x):
+        if torch.compiler.is_compiling():
+            # NOTE: a guard on the step's size: decode-sized steps get a graph of their own, so a
+            # prefill's linears stay inductor's GEMMs on its planned buffers (behind an opaque op
+            # they wrote fresh outputs: +40-70 ms a 1,024-token step here)
+            if 1 < x.numel() // weight.shape[1] <= NATIVE_LINEAR_MAX_ROWS:
+                return torch.ops.corekv.float32_linear(x, weight, bias, handle)
+            return F.linear(x, weight, bias)
+        return _float32_matmul(x, weight, bias, packed, small)
+    return forward
+
+
+def _float32_matmul(x, weight, bias, packed, small):
+    rows = x.numel() // weight.shape[1]
+    if not (1 < rows <= NATIVE_LINEAR_MAX_ROWS and in_native_step()):
+        return F.linear(x, weight, bias)
+    return small(x.reshape(rows, weight.shape[1]), packed, bias).view(*x.shape[:-1], weight.shape[0])
+
+
+@torch.library.custom_op("corekv::float32_linear", mutates_args=())
+def _float32_linear_op(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
+                       handle: int) -> torch.Tensor:
+    from corekv.engine.native_attention import load_native_attention
+
+    return _float32_matmul(x, weight, bias, _PACKED[handle](), load_native_attention().small_linear)
+
+
+@_float32_linear_op.register_fake
 def _(x, weight, bias, handle):
     return x.new_empty(*x.shape[:-1], weight.shape[0])

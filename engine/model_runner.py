@@ -17,6 +17,7 @@ import torch
 from corekv.errors import CoreKVError
 from corekv.engine.attention import ATTENTION_NAME, forward_context
 from corekv.engine.step_metadata import AttentionMetadata, DecodeGroup, PrefillBatch, PrefillGroup, PrefillSlice
+from corekv.engine.cpu_linears import use_native_float32_linears
 from corekv.engine.kv_pool import KVPool
 from corekv.engine.models import LoadedModel
 from corekv.engine.native_attention import NATIVE_DTYPES, load_native_attention
@@ -90,6 +91,8 @@ class ModelRunner:
                 f"{' or '.join(map(str, NATIVE_DTYPES))}; got {native!r} for a {kv_pool.dtype} pool "
                 f"on {self.device}: pass native=False (or None) there")
         self._native = load_native_attention() if native else None
+        if self._native is not None and kv_pool.dtype == torch.float32:
+            use_native_float32_linears(self.model, self._native)
 
     @torch.inference_mode()
     def execute(self, chunks: Sequence[ScheduledChunk]) -> torch.Tensor:

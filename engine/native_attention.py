@@ -1,12 +1,16 @@
-"""corekv's native CPU attention (``engine.compile``), built from ``paged_attention.cpp``.
+"""corekv's native CPU kernels (``engine.compile``), built from ``paged_attention.cpp`` and
+``small_linear.cpp``.
 
-Two kernels read K/V straight from the pool blocks through block tables, one C++ call per layer
-each, where the torch path copies the blocks into contiguous buffers and calls SDPA:
+Two attention kernels read K/V straight from the pool blocks through block tables, one C++ call per
+layer each, where the torch path copies the blocks into contiguous buffers and calls SDPA:
 
 * ``paged_decode``: each decoding row's query over its context (a decode step of a small model is
   made of such per-layer ops and bytes on a CPU);
 * ``paged_prefill``: every prefill chunk of the step, causally over its sequence's blocks: no
   gather, no mask tensor, no merge of a shared prefix's and a chunk's own parts.
+
+and ``small_linear`` multiplies a decode step's few rows by a float32 weight packed into panels
+(``engine/cpu_linears.py`` wires it into the model's Linear layers).
 
 NOTE: compiled with -ffast-math (vectorised exp, reordered sums: 0.6x the time of a strict build
 here) for finite inputs, as a model's Q/K/V are; only compile flags, so no code that changes the
@@ -27,19 +31,23 @@ import torch
 
 from corekv.errors import CoreKVError, describe_exception
 
-SOURCE = Path(__file__).with_name("paged_attention.cpp")
+SOURCES = [Path(__file__).with_name(name) for name in ("paged_attention.cpp", "small_linear.cpp")]
 #: pool dtypes the kernels read (a float16 model keeps the torch path)
 NATIVE_DTYPES = (torch.float32, torch.bfloat16)
 _kernels: NativeKernels | None = None
 
 
 class NativeKernels(NamedTuple):
-    """The built kernels (signatures in ``paged_attention.cpp``'s header)."""
+    """The built kernels (signatures in the sources' headers)."""
 
     #: ``(q [R, H, G, D], k_pool, v_pool, block_tables, context_lens, scale) -> (out, lse)`` (float32)
     decode: Callable
     #: ``(q [T, H * G, D], k_pool, v_pool, block_tables, query_starts, start_pos, scale, out) -> None``
     prefill: Callable
+    #: ``(weight [out, in] float32) -> packed [out / 64, in, 64]``
+    pack_linear_weight: Callable
+    #: ``(x [rows, in] float32, packed, bias | None) -> [rows, out]``
+    small_linear: Callable
 
 
 class NativeBuildError(CoreKVError):
@@ -59,12 +67,13 @@ def load_native_attention() -> NativeKernels:
             except ImportError:
                 pass
         try:
-            module = cpp_extension.load(name="corekv_paged_attention", sources=[str(SOURCE)],
+            module = cpp_extension.load(name="corekv_native", sources=[str(path) for path in SOURCES],
                                         extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffast-math"],
                                         extra_ldflags=["-fopenmp"])
         except Exception as exc:  # compiler, ninja and build failures come as several exception types
             raise NativeBuildError(
-                f"could not build corekv's native attention ({describe_exception(exc)}); it needs a "
+                f"could not build corekv's native kernels ({describe_exception(exc)}); it needs a "
                 "C++ compiler (g++, or the one named by $CXX) and ninja (pip install ninja)") from exc
-        _kernels = NativeKernels(module.paged_decode, module.paged_prefill)
+        _kernels = NativeKernels(module.paged_decode, module.paged_prefill, module.pack_linear_weight,
+                                 module.small_linear)
     return _kernels

@@ -381,8 +381,14 @@ void paged_prefill(const torch::Tensor& q, const torch::Tensor& k_pool, const to
 
 }  // namespace
 
+torch::Tensor pack_linear_weight(const torch::Tensor& weight);  // small_linear.cpp
+torch::Tensor small_linear(const torch::Tensor& x, const torch::Tensor& packed,
+                           const c10::optional<torch::Tensor>& bias);
+
 // NOTE: the GIL is released while it runs: the engine steps in its own thread beside a server's event loop.
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode", &paged_decode, py::call_guard<py::gil_scoped_release>());
   m.def("paged_prefill", &paged_prefill, py::call_guard<py::gil_scoped_release>());
+  m.def("pack_linear_weight", &pack_linear_weight);
+  m.def("small_linear", &small_linear, py::call_guard<py::gil_scoped_release>());
 }

@@ -88,10 +88,10 @@ def test_compile_without_a_cpp_compiler_is_a_clear_config_error(tmp_path):
 
 
 def test_a_failed_native_build_is_a_clear_config_error(tmp_path):
-    """A real build of the native attention in a fresh process and an empty extension cache,
+    """A real build of the native kernels in a fresh process and an empty extension cache,
     with $CXX naming a compiler that does not exist."""
     out = start_compiled_tiny_engine({"CXX": "/nonexistent/c++", "TORCH_EXTENSIONS_DIR": str(tmp_path / "ext")})
-    assert "ERROR engine.compile: could not build corekv's native attention" in out.stdout, \
+    assert "ERROR engine.compile: could not build corekv's native kernels" in out.stdout, \
         out.stdout + out.stderr[-2000:]
     assert "set engine.compile: false" in out.stdout
 

@@ -8,6 +8,7 @@ import sys
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from corekv.engine.kv_pool import KVPool
 from corekv.engine.native_attention import load_native_attention
@@ -204,3 +205,69 @@ def test_the_build_finds_the_ninja_wheel_when_no_ninja_is_on_path(tmp_path):
             "load_native_attention(); print('BUILT', shutil.which('ninja'))\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=600)
     assert "BUILT " in out.stdout and out.stdout.strip().endswith("ninja"), out.stdout + out.stderr[-2000:]
+
+
+@pytest.mark.parametrize("rows", [1, 5, 6, 7, 32])
+def test_small_linear_equals_a_float64_product(rows):
+    """Row counts around the kernel's blocks of 6, an input size that is not a multiple of its
+    128-deep slices, with and without bias; the packed copy is taken from a strided weight (the
+    transposed layout corekv gives float32 weights)."""
+    kernels = load_native_attention()
+    torch.manual_seed(rows)
+    weight = torch.randn(200, 192).t()  # [192 out, 200 in], column-major
+    bias = torch.randn(192)
+    x = torch.randn(rows, 200)
+    packed = kernels.pack_linear_weight(weight)
+    assert packed.shape == (3, 200, 64)
+    for b in (None, bias):
+        out = kernels.small_linear(x, packed, b)
+        expected = F.linear(x.double(), weight.double(), None if b is None else b.double())
+        torch.testing.assert_close(out.double(), expected, rtol=1e-5, atol=1e-4)
+
+
+def test_small_linear_checks_its_arguments():
+    kernels = load_native_attention()
+    with pytest.raises(RuntimeError, match="out a multiple of 64"):
+        kernels.pack_linear_weight(torch.zeros(96, 8))
+    packed = kernels.pack_linear_weight(torch.zeros(64, 8))
+    with pytest.raises(RuntimeError, match="x \\[rows, in\\]"):
+        kernels.small_linear(torch.zeros(2, 9), packed, None)
+    with pytest.raises(RuntimeError, match="float32"):
+        kernels.small_linear(torch.zeros(2, 8).double(), packed, None)
+    with pytest.raises(RuntimeError, match="bias must be float32"):
+        kernels.small_linear(torch.zeros(2, 8), packed, torch.zeros(63))
+
+
+def test_native_linears_serve_only_a_native_runners_decode_sized_steps():
+    """After a native runner wires a float32 model, its Linear layers (outputs a multiple of 64)
+    run the kernel for 2-32 rows inside that runner's steps, and are exactly F.linear everywhere
+    else: plain Hugging Face calls, one row, more rows, a torch-path runner's steps."""
+    from corekv.engine.attention import forward_context
+    from corekv.engine.cpu_linears import NATIVE_LINEAR_MAX_ROWS
+    from corekv.engine.model_runner import ModelRunner
+    from corekv.engine.models import make_tiny_llama
+    from corekv.engine.step_metadata import AttentionMetadata
+
+    loaded = make_tiny_llama()  # its own model: wiring changes the modules' forward
+    pool = KVPool(loaded.num_layers, 8, 16, loaded.num_kv_heads, loaded.head_dim, loaded.dtype, "cpu")
+    runner = ModelRunner(loaded, pool, native=True)
+    wired = [m for m in loaded.model.modules() if getattr(m, "_corekv_native_linear", False)]
+    assert {m.weight.shape[0] for m in wired} == {64, 128, 320}  # k/v projections (32 outputs) are not
+    kernel = runner._native.small_linear
+    native = AttentionMetadata(kv_pool=pool, slot_block_ids=torch.zeros(0), slot_offsets=torch.zeros(0),
+                               native=runner._native)
+    plain = AttentionMetadata(kv_pool=pool, slot_block_ids=torch.zeros(0), slot_offsets=torch.zeros(0))
+    module = wired[0]
+    for rows in (1, 2, NATIVE_LINEAR_MAX_ROWS, NATIVE_LINEAR_MAX_ROWS + 1):
+        x = torch.randn(1, rows, module.weight.shape[1])
+        reference = F.linear(x, module.weight, module.bias)
+        assert torch.equal(module(x), reference)
+        with forward_context(plain):
+            assert torch.equal(module(x), reference)
+        with forward_context(native):
+            if 1 < rows <= NATIVE_LINEAR_MAX_ROWS:
+                packed = runner._native.pack_linear_weight(module.weight)
+                assert torch.equal(module(x), kernel(x[0], packed, module.bias)[None])
+                torch.testing.assert_close(module(x), reference, rtol=1e-5, atol=1e-5)
+            else:
+                assert torch.equal(module(x), reference)
