@@ -1,11 +1,13 @@
-"""The CPU kernel choices behind corekv's engine, measured at SmolLM2-135M's shapes (session 4).
+"""The CPU kernel choices behind corekv's engine, measured at SmolLM2-135M's shapes (sessions 4-6).
 
     python benchmarks/cpu_kernels.py [--threads 2] [--repeats 5]
 
 * ``linears``: one decoder step's seven Linear weights of all 30 layers (so they stream from memory
-  as in the engine) at 1, 5, 32, 128 and 1,024 rows: ``F.linear`` on the row-major weight, on the
-  transposed layout corekv stores for float32, on a oneDNN-packed copy, and (bfloat16) multiplied
-  in float32 after upcasting input and weight (what corekv does from 128 rows).
+  as in the engine) at 1 to 1,024 rows: ``F.linear`` on the row-major weight, on the transposed
+  layout corekv stores for float32, on a oneDNN-packed copy, (float32, session 6) the native kernel
+  on a copy packed into 64-column panels (engine/small_linear.cpp, what ``engine.compile`` runs
+  for 2-32 rows), and (bfloat16) multiplied in float32 after upcasting input and weight (what
+  corekv does from 128 rows).
 * ``prefill attention``: W2's step shape (8 chunks of 128 tokens after a shared 384-token cached
   prefix, 9 query and 3 KV heads of 64, one layer): eight masked SDPA calls over gathered contexts
   (corekv's path for single chunks) against a :class:`PrefillGroup`-style shared call plus one
@@ -46,12 +48,17 @@ def linears(dtype, repeats):
     if dtype == torch.float32:
         variants["transposed layout"] = ([[w.t().contiguous().t() for w in layer] for layer in layers],
                                          lambda x, w: F.linear(x, w))
+        from corekv.engine.native_attention import load_native_attention
+
+        kernels = load_native_attention()
+        variants["native panels"] = ([[kernels.pack_linear_weight(w) for w in layer] for layer in layers],
+                                     lambda x, p: kernels.small_linear(x, p, None))
     packed = [[torch.ops.mkldnn._reorder_linear_weight(w, 32) for w in layer] for layer in layers]
     variants["oneDNN packed"] = (packed, lambda x, p: torch.ops.mkldnn._linear_pointwise(x, p, None, "none", [], ""))
     if dtype == torch.bfloat16:
         variants["float32 upcast"] = (layers, lambda x, w: F.linear(x.float(), w.float()).to(dtype))
     rows = []
-    for m in (1, 5, 32, 128, 1024):
+    for m in (1, 5, 8, 16, 32, 128, 1024):
         inputs = {k: torch.randn(m, k).to(dtype) for k in (576, 1536)}
         times = {}
         for name, (weights, op) in variants.items():
