@@ -96,8 +96,9 @@ def _(x, weight, bias, handle):
 #: a float32 Linear inside a native runner's step takes the native kernel from 2 up to this many
 #: rows (a decode step's; one row is a GEMV MKL streams as fast, and a prefill's thousand rows stay
 #: with MKL, which is at the FMA peak there).
-#: NOTE: measured at 2 threads over SmolLM2's 30 layers: 0.73x MKL's time at 5 rows, 0.65-0.70x
-#: at 8, 0.70-0.76x at 16, 0.77-0.88x at 32 (BENCHMARKS.md, session 6).
+#: NOTE: measured at 2 threads over SmolLM2's 30 layers (benchmarks/cpu_kernels.py and a throwaway
+#: script, BENCHMARKS.md session 6): 0.71-0.73x MKL's time at 5 rows, 0.65-0.74x at 8, 0.70-0.76x
+#: at 16, 0.77-0.93x at 32, 1.16x at 1,024.
 NATIVE_LINEAR_MAX_ROWS = 32
 
 
