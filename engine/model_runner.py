@@ -78,10 +78,12 @@ class ModelRunner:
         if not isinstance(compile, bool):
             raise CoreKVError(f"ModelRunner: compile must be True or False, got {compile!r}")
         # NOTE: torch.compile wraps the model without changing it (a LoadedModel may be shared, and
-        # model.generate keeps running it eagerly); dynamic shapes, so steps of any size share a graph.
+        # model.generate keeps running it eagerly); dynamic shapes, so steps of any size share a graph
+        # (with the native float32 linears: one graph for decode-sized steps, one for the rest).
         self._forward = torch.compile(self.model, dynamic=True) if compile else self.model
-        # NOTE: attention on CPU takes the native kernels when asked, by default when compiled: both
-        # build C++ for this machine (load_native_attention raises NativeBuildError)
+        # NOTE: on CPU the native kernels (attention; float32 linears of 2-32 rows) run when asked, by
+        # default when compiled: both build C++ for this machine (load_native_attention raises
+        # NativeBuildError)
         native_ok = self.device.type == "cpu" and kv_pool.dtype in NATIVE_DTYPES
         if native is None:
             native = compile and native_ok
