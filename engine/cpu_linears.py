@@ -102,6 +102,11 @@ def _(x, weight, bias, handle):
 NATIVE_LINEAR_MAX_ROWS = 32
 
 
+def _native_rows(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether ``x``'s rows are as many as the native kernel takes (read at trace and at run time)."""
+    return 1 < x.numel() // weight.shape[1] <= NATIVE_LINEAR_MAX_ROWS
+
+
 def use_native_float32_linears(hf_model: Any, kernels) -> None:
     """Give each float32 CPU ``nn.Linear`` whose output size is a multiple of 64 a packed copy of
     its weight, multiplied by ``kernels.small_linear`` for 2 to :data:`NATIVE_LINEAR_MAX_ROWS`
@@ -135,7 +140,7 @@ def _native_float32_linear(weight: torch.Tensor, bias: torch.Tensor | None, kern
             # NOTE: a guard on the step's size: decode-sized steps get a graph of their own, so a
             # prefill's linears stay inductor's GEMMs on its planned buffers (behind an opaque op
             # they wrote fresh outputs: +40-70 ms a 1,024-token step here)
-            if 1 < x.numel() // weight.shape[1] <= NATIVE_LINEAR_MAX_ROWS:
+            if _native_rows(x, weight):
                 return torch.ops.corekv.float32_linear(x, weight, bias, handle)
             return F.linear(x, weight, bias)
         return _float32_matmul(x, weight, bias, packed, small)
@@ -143,10 +148,9 @@ def _native_float32_linear(weight: torch.Tensor, bias: torch.Tensor | None, kern
 
 
 def _float32_matmul(x, weight, bias, packed, small):
-    rows = x.numel() // weight.shape[1]
-    if not (1 < rows <= NATIVE_LINEAR_MAX_ROWS and in_native_step()):
+    if not (_native_rows(x, weight) and in_native_step()):
         return F.linear(x, weight, bias)
-    return small(x.reshape(rows, weight.shape[1]), packed, bias).view(*x.shape[:-1], weight.shape[0])
+    return small(x.reshape(-1, weight.shape[1]), packed, bias).view(*x.shape[:-1], weight.shape[0])
 
 
 @torch.library.custom_op("corekv::float32_linear", mutates_args=())

@@ -87,7 +87,7 @@ void decode(const float* q, const T* k_pool, const T* v_pool, const int64_t* tab
   });
 }
 
-// Shapes, layout, dtype and device of the pools (and q's heads); the kernels' arguments name is who asks.
+// Shapes, layout, dtype and device of the pools (and q's heads); `who` names the calling kernel in errors.
 void check_pools(const char* who, const torch::Tensor& k_pool, const torch::Tensor& v_pool, int64_t q_heads,
                  int64_t q_dim, const torch::Tensor& q, const torch::Tensor& block_tables) {
   TORCH_CHECK(k_pool.dim() == 4 && k_pool.sizes() == v_pool.sizes(), who, ": bad shapes");
