@@ -48,11 +48,11 @@ def linears(dtype, repeats):
     if dtype == torch.float32:
         variants["transposed layout"] = ([[w.t().contiguous().t() for w in layer] for layer in layers],
                                          lambda x, w: F.linear(x, w))
-        from corekv.engine.native_attention import load_native_attention
+    from corekv.engine.native_attention import load_native_attention
 
-        kernels = load_native_attention()
-        variants["native panels"] = ([[kernels.pack_linear_weight(w) for w in layer] for layer in layers],
-                                     lambda x, p: kernels.small_linear(x, p, None))
+    kernels = load_native_attention()
+    variants["native panels"] = ([[kernels.pack_linear_weight(w) for w in layer] for layer in layers],
+                                 lambda x, p: kernels.small_linear(x, p, None))
     packed = [[torch.ops.mkldnn._reorder_linear_weight(w, 32) for w in layer] for layer in layers]
     variants["oneDNN packed"] = (packed, lambda x, p: torch.ops.mkldnn._linear_pointwise(x, p, None, "none", [], ""))
     if dtype == torch.bfloat16:

@@ -54,7 +54,7 @@ def prepare_linear_weights(hf_model: Any) -> None:
 #: a bfloat16 CPU Linear called with at least this many rows multiplies in float32 (see above)
 BF16_UPCAST_MIN_ROWS = 128
 
-#: packed weights (oneDNN's for bfloat16, panels for the native float32 kernel), by the handle their
+#: packed weights (oneDNN's for bfloat16, panels for the native kernel), by the handle their
 #: module's forward passes to its custom op (weak references: a copy lives as long as its forward)
 _PACKED: list[weakref.ref] = []
 
@@ -93,42 +93,47 @@ def _(x, weight, bias, handle):
     return x.new_empty(*x.shape[:-1], weight.shape[0])
 
 
-#: a float32 Linear inside a native runner's step takes the native kernel from 2 up to this many
-#: rows (a decode step's; one row is a GEMV MKL streams as fast, and a prefill's thousand rows stay
-#: with MKL, which is at the FMA peak there).
+#: the rows (least, most) a Linear inside a native runner's step sends to the native kernel, by
+#: weight dtype: a decode step's (a prefill's thousand rows stay with MKL or float32, at the FMA
+#: peak there; one float32 row is a GEMV MKL streams as fast).
 #: NOTE: measured at 2 threads over SmolLM2's 30 layers (benchmarks/cpu_kernels.py and a throwaway
-#: script, BENCHMARKS.md session 6): 0.71-0.73x MKL's time at 5 rows, 0.65-0.74x at 8, 0.70-0.76x
-#: at 16, 0.77-0.93x at 32, 1.16x at 1,024.
-NATIVE_LINEAR_MAX_ROWS = 32
+#: script, BENCHMARKS.md sessions 6-7): float32, against MKL, 0.71-0.73x the time at 5 rows,
+#: 0.65-0.74x at 8, 0.70-0.76x at 16, 0.77-0.93x at 32, 1.16x at 1,024; bfloat16, against oneDNN's
+#: packed GEMM, 0.75x at 1 row, 0.70x at 5, 0.77x at 8, 0.88x at 16, 1.02x at 32.
+NATIVE_LINEAR_ROWS = {torch.float32: (2, 32), torch.bfloat16: (1, 16)}
 
 
 def _native_rows(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether ``x``'s rows are as many as the native kernel takes (read at trace and at run time)."""
-    return 1 < x.numel() // weight.shape[1] <= NATIVE_LINEAR_MAX_ROWS
+    least, most = NATIVE_LINEAR_ROWS[weight.dtype]
+    return least <= x.numel() // weight.shape[1] <= most
 
 
-def use_native_float32_linears(hf_model: Any, kernels) -> None:
-    """Give each float32 CPU ``nn.Linear`` whose output size is a multiple of 64 a packed copy of
-    its weight, multiplied by ``kernels.small_linear`` for 2 to :data:`NATIVE_LINEAR_MAX_ROWS`
-    rows during a step of a native runner (``engine.compile``); anything else (other rows, a
-    torch-path runner's steps, ``model.generate`` and other plain Hugging Face use) is ``F.linear``
-    as before. Idempotent. The packed copies double the float32 weights' memory (+540 MB for
-    SmolLM2-135M, tied ``lm_head`` included).
+def use_native_linears(hf_model: Any, kernels) -> None:
+    """Give each float32 or bfloat16 CPU ``nn.Linear`` whose output size is a multiple of 64 a copy
+    of its weight packed into panels, multiplied by ``kernels.small_linear`` for the rows of
+    :data:`NATIVE_LINEAR_ROWS` during a step of a native runner (``engine.compile``); anything else
+    (other rows, a torch-path runner's steps, ``model.generate`` and other plain Hugging Face use)
+    takes the module's forward as before. Idempotent. The packed copies double the weights' memory
+    (SmolLM2-135M, tied ``lm_head`` included: +540 MB in float32, +270 MB in bfloat16).
     """
     for module in hf_model.modules():
         weight = getattr(module, "weight", None)
-        if (not isinstance(module, torch.nn.Linear) or weight.device.type != "cpu" or weight.dtype != torch.float32
+        if (not isinstance(module, torch.nn.Linear) or weight.device.type != "cpu" or weight.dtype not in NATIVE_LINEAR_ROWS
                 or weight.shape[0] % 64 or getattr(module, "_corekv_native_linear", False)):
             continue
-        module.forward = _native_float32_linear(weight.detach(), module.bias, kernels)
+        module.forward = _native_linear(weight.detach(), module.bias, module.forward, kernels)
         module._corekv_native_linear = True
 
 
-def _native_float32_linear(weight: torch.Tensor, bias: torch.Tensor | None, kernels):
-    """``forward`` of a float32 CPU Linear with a packed copy (see :func:`use_native_float32_linears`).
+def _native_linear(weight: torch.Tensor, bias: torch.Tensor | None, otherwise, kernels):
+    """``forward`` of a CPU Linear with a packed copy (see :func:`use_native_linears`); ``otherwise``
+    is the module's forward before (``F.linear``, or :func:`_bfloat16_linear`'s).
 
-    NOTE: under torch.compile an opaque op for decode-sized steps only (see the guard below): a
-    compiled engine holds one more graph (its start took 119 s instead of 76 here).
+    NOTE: under torch.compile an opaque op for decode-sized steps only (a guard on the step's size):
+    decode-sized steps get a graph of their own, so a prefill's linears stay inductor's GEMMs on its
+    planned buffers (behind an opaque op they wrote fresh outputs: +40-70 ms a 1,024-token step
+    here); a compiled engine holds one more graph (its start took 119 s instead of 76 here).
     """
     packed = kernels.pack_linear_weight(weight)
     handle = len(_PACKED)
@@ -136,31 +141,31 @@ def _native_float32_linear(weight: torch.Tensor, bias: torch.Tensor | None, kern
     small = kernels.small_linear
 
     def forward(x):
-        if torch.compiler.is_compiling():
-            # NOTE: a guard on the step's size: decode-sized steps get a graph of their own, so a
-            # prefill's linears stay inductor's GEMMs on its planned buffers (behind an opaque op
-            # they wrote fresh outputs: +40-70 ms a 1,024-token step here)
-            if _native_rows(x, weight):
-                return torch.ops.corekv.float32_linear(x, weight, bias, handle)
-            return F.linear(x, weight, bias)
-        return _float32_matmul(x, weight, bias, packed, small)
+        if _native_rows(x, weight):
+            if torch.compiler.is_compiling():
+                return torch.ops.corekv.native_linear(x, weight, bias, handle)
+            if in_native_step():
+                return _native_matmul(x, weight, bias, packed, small)
+        return otherwise(x)
     return forward
 
 
-def _float32_matmul(x, weight, bias, packed, small):
-    if not (_native_rows(x, weight) and in_native_step()):
-        return F.linear(x, weight, bias)
+def _native_matmul(x, weight, bias, packed, small):
     return small(x.reshape(-1, weight.shape[1]), packed, bias).view(*x.shape[:-1], weight.shape[0])
 
 
-@torch.library.custom_op("corekv::float32_linear", mutates_args=())
-def _float32_linear_op(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
-                       handle: int) -> torch.Tensor:
+@torch.library.custom_op("corekv::native_linear", mutates_args=())
+def _native_linear_op(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
+                      handle: int) -> torch.Tensor:
+    """A compiled graph's decode-sized Linear; ``F.linear`` when its graph runs outside a native
+    runner's step (dynamo's guards do not see which runner calls it)."""
     from corekv.engine.native_attention import load_native_attention
 
-    return _float32_matmul(x, weight, bias, _PACKED[handle](), load_native_attention().small_linear)
+    if not in_native_step():
+        return F.linear(x, weight, bias)
+    return _native_matmul(x, weight, bias, _PACKED[handle](), load_native_attention().small_linear)
 
 
-@_float32_linear_op.register_fake
+@_native_linear_op.register_fake
 def _(x, weight, bias, handle):
     return x.new_empty(*x.shape[:-1], weight.shape[0])

@@ -17,7 +17,7 @@ import torch
 from corekv.errors import CoreKVError
 from corekv.engine.attention import ATTENTION_NAME, forward_context
 from corekv.engine.step_metadata import AttentionMetadata, DecodeGroup, PrefillBatch, PrefillGroup, PrefillSlice
-from corekv.engine.cpu_linears import use_native_float32_linears
+from corekv.engine.cpu_linears import use_native_linears
 from corekv.engine.kv_pool import KVPool
 from corekv.engine.models import LoadedModel
 from corekv.engine.native_attention import NATIVE_DTYPES, load_native_attention
@@ -79,9 +79,9 @@ class ModelRunner:
             raise CoreKVError(f"ModelRunner: compile must be True or False, got {compile!r}")
         # NOTE: torch.compile wraps the model without changing it (a LoadedModel may be shared, and
         # model.generate keeps running it eagerly); dynamic shapes, so steps of any size share a graph
-        # (with the native float32 linears: one graph for decode-sized steps, one for the rest).
+        # (with the native linears: one graph for decode-sized steps, one for the rest).
         self._forward = torch.compile(self.model, dynamic=True) if compile else self.model
-        # NOTE: on CPU the native kernels (attention; float32 linears of 2-32 rows) run when asked, by
+        # NOTE: on CPU the native kernels (attention; linears of decode-sized steps) run when asked, by
         # default when compiled: both build C++ for this machine (load_native_attention raises
         # NativeBuildError)
         native_ok = self.device.type == "cpu" and kv_pool.dtype in NATIVE_DTYPES
@@ -93,8 +93,8 @@ class ModelRunner:
                 f"{' or '.join(map(str, NATIVE_DTYPES))}; got {native!r} for a {kv_pool.dtype} pool "
                 f"on {self.device}: pass native=False (or None) there")
         self._native = load_native_attention() if native else None
-        if self._native is not None and kv_pool.dtype == torch.float32:
-            use_native_float32_linears(self.model, self._native)
+        if self._native is not None:
+            use_native_linears(self.model, self._native)
 
     @torch.inference_mode()
     def execute(self, chunks: Sequence[ScheduledChunk]) -> torch.Tensor:

@@ -207,67 +207,82 @@ def test_the_build_finds_the_ninja_wheel_when_no_ninja_is_on_path(tmp_path):
     assert "BUILT " in out.stdout and out.stdout.strip().endswith("ninja"), out.stdout + out.stderr[-2000:]
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rows", [1, 5, 6, 7, 32])
-def test_small_linear_equals_a_float64_product(rows):
+def test_small_linear_equals_a_float64_product(rows, dtype):
     """Row counts around the kernel's blocks of 6, an input size that is not a multiple of its
     128-deep slices, with and without bias; the packed copy is taken from a strided weight (the
-    transposed layout corekv gives float32 weights)."""
+    transposed layout corekv gives float32 weights). bfloat16 sums in float32 and rounds once: within
+    half a bfloat16 step (2^-8 relative) of the exact product of the bfloat16 values."""
     kernels = load_native_attention()
     torch.manual_seed(rows)
-    weight = torch.randn(200, 192).t()  # [192 out, 200 in], column-major
-    bias = torch.randn(192)
-    x = torch.randn(rows, 200)
+    weight = torch.randn(200, 192).t().to(dtype)  # [192 out, 200 in], column-major
+    bias = torch.randn(192).to(dtype)
+    x = torch.randn(rows, 200).to(dtype)
     packed = kernels.pack_linear_weight(weight)
-    assert packed.shape == (3, 200, 64)
+    assert packed.shape == (3, 200, 64) and packed.dtype == dtype
+    rtol = 1e-5 if dtype == torch.float32 else 2 ** -8
     for b in (None, bias):
         out = kernels.small_linear(x, packed, b)
+        assert out.dtype == dtype
         expected = F.linear(x.double(), weight.double(), None if b is None else b.double())
-        torch.testing.assert_close(out.double(), expected, rtol=1e-5, atol=1e-4)
+        torch.testing.assert_close(out.double(), expected, rtol=rtol, atol=1e-4)
 
 
 def test_small_linear_checks_its_arguments():
     kernels = load_native_attention()
     with pytest.raises(RuntimeError, match="out a multiple of 64"):
         kernels.pack_linear_weight(torch.zeros(96, 8))
+    with pytest.raises(RuntimeError, match="float32 or bfloat16"):
+        kernels.pack_linear_weight(torch.zeros(64, 8).double())
     packed = kernels.pack_linear_weight(torch.zeros(64, 8))
     with pytest.raises(RuntimeError, match="x \\[rows, in\\]"):
         kernels.small_linear(torch.zeros(2, 9), packed, None)
-    with pytest.raises(RuntimeError, match="float32"):
-        kernels.small_linear(torch.zeros(2, 8).double(), packed, None)
-    with pytest.raises(RuntimeError, match="bias must be float32"):
+    with pytest.raises(RuntimeError, match="of one dtype"):
+        kernels.small_linear(torch.zeros(2, 8).bfloat16(), packed, None)
+    with pytest.raises(RuntimeError, match="bias must be \\[out\\] of x's dtype"):
         kernels.small_linear(torch.zeros(2, 8), packed, torch.zeros(63))
+    with pytest.raises(RuntimeError, match="bias must be \\[out\\] of x's dtype"):
+        kernels.small_linear(torch.zeros(2, 8), packed, torch.zeros(64).bfloat16())
 
 
-def test_native_linears_serve_only_a_native_runners_decode_sized_steps():
-    """After a native runner wires a float32 model, its Linear layers (outputs a multiple of 64)
-    run the kernel for 2-32 rows inside that runner's steps, and are exactly F.linear everywhere
-    else: plain Hugging Face calls, one row, more rows, a torch-path runner's steps."""
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_native_linears_serve_only_a_native_runners_decode_sized_steps(dtype):
+    """After a native runner wires a model, its Linear layers (outputs a multiple of 64) run the
+    kernel for NATIVE_LINEAR_ROWS' rows inside that runner's steps, and are exactly their forward
+    before everywhere else: plain Hugging Face calls, fewer or more rows, a torch-path runner's
+    steps (bfloat16: oneDNN's packed GEMM, or float32 from 128 rows)."""
     from corekv.engine.attention import forward_context
-    from corekv.engine.cpu_linears import NATIVE_LINEAR_MAX_ROWS
+    from corekv.engine.cpu_linears import NATIVE_LINEAR_ROWS
     from corekv.engine.model_runner import ModelRunner
     from corekv.engine.models import make_tiny_llama
     from corekv.engine.step_metadata import AttentionMetadata
 
-    loaded = make_tiny_llama()  # its own model: wiring changes the modules' forward
+    loaded = make_tiny_llama(dtype=dtype)  # its own model: wiring changes the modules' forward
     pool = KVPool(loaded.num_layers, 8, 16, loaded.num_kv_heads, loaded.head_dim, loaded.dtype, "cpu")
+    module = next(m for m in loaded.model.modules() if isinstance(m, torch.nn.Linear) and m.weight.shape[0] == 128)
+    before = module.forward
     runner = ModelRunner(loaded, pool, native=True)
     wired = [m for m in loaded.model.modules() if getattr(m, "_corekv_native_linear", False)]
     assert {m.weight.shape[0] for m in wired} == {64, 128, 320}  # k/v projections (32 outputs) are not
+    assert module in wired
     kernel = runner._native.small_linear
     native = AttentionMetadata(kv_pool=pool, slot_block_ids=torch.zeros(0), slot_offsets=torch.zeros(0),
                                native=runner._native)
     plain = AttentionMetadata(kv_pool=pool, slot_block_ids=torch.zeros(0), slot_offsets=torch.zeros(0))
-    module = wired[0]
-    for rows in (1, 2, NATIVE_LINEAR_MAX_ROWS, NATIVE_LINEAR_MAX_ROWS + 1):
-        x = torch.randn(1, rows, module.weight.shape[1])
-        reference = F.linear(x, module.weight, module.bias)
+    least, most = NATIVE_LINEAR_ROWS[loaded.dtype]
+    tolerance = 1e-5 if loaded.dtype == torch.float32 else 1e-2
+    for rows in sorted({1, least - 1, least, most, most + 1, 200} - {0}):
+        x = torch.randn(1, rows, module.weight.shape[1]).to(loaded.dtype)
+        reference = before(x)
         assert torch.equal(module(x), reference)
         with forward_context(plain):
             assert torch.equal(module(x), reference)
         with forward_context(native):
-            if 1 < rows <= NATIVE_LINEAR_MAX_ROWS:
+            if least <= rows <= most:
                 packed = runner._native.pack_linear_weight(module.weight)
                 assert torch.equal(module(x), kernel(x[0], packed, module.bias)[None])
-                torch.testing.assert_close(module(x), reference, rtol=1e-5, atol=1e-5)
+                torch.testing.assert_close(module(x), reference, rtol=tolerance, atol=tolerance)
             else:
                 assert torch.equal(module(x), reference)
+
