@@ -48,26 +48,87 @@ def prepare_linear_weights(hf_model: Any) -> None:
         if weight.dtype == torch.float32 and id(weight) not in shared and weight.is_contiguous():
             weight.data = weight.data.t().contiguous().t()
         elif weight.dtype == torch.bfloat16 and pack_bf16:
-            module.forward = _bfloat16_linear(weight.detach(), module.bias)
+            module._corekv_packed = _Packed(onednn=torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 32))
+            module.forward = _bfloat16_linear(weight.detach(), module.bias, module._corekv_packed)
 
 
 #: a bfloat16 CPU Linear called with at least this many rows multiplies in float32 (see above)
 BF16_UPCAST_MIN_ROWS = 128
 
-#: packed weights (oneDNN's for bfloat16, panels for the native kernel), by the handle their
-#: module's forward passes to its custom op (weak references: a copy lives as long as its forward)
+#: the rows (least, most) a Linear inside a native runner's step sends to the native kernel, by
+#: weight dtype: a decode step's (a prefill's thousand rows stay with MKL or float32, at the FMA
+#: peak there; one float32 row is a GEMV MKL streams as fast).
+#: NOTE: measured at 2 threads over SmolLM2's 30 layers (benchmarks/cpu_kernels.py and a throwaway
+#: script, BENCHMARKS.md sessions 6-7): float32, against MKL, 0.71-0.73x the time at 5 rows,
+#: 0.65-0.74x at 8, 0.70-0.76x at 16, 0.77-0.93x at 32, 1.16x at 1,024; bfloat16, against oneDNN's
+#: packed GEMM, 0.75x at 1 row, 0.70x at 5, 0.77x at 8, 0.88x at 16, 1.02x at 32.
+NATIVE_LINEAR_ROWS = {torch.float32: (2, 32), torch.bfloat16: (1, 16)}
+
+
+class _Packed:
+    """Copies of one Linear's weight in the layouts its kernels read: oneDNN's blocked layout
+    (bfloat16) and 64-column panels for the native kernel (set by :func:`use_native_linears`)."""
+
+    def __init__(self, onednn: torch.Tensor | None = None):
+        self.onednn = onednn
+        self.panels: torch.Tensor | None = None
+
+
+#: each Linear's :class:`_Packed`, by the handle its forward passes to its opaque op under
+#: torch.compile (weak references: the copies live as long as their module's forward)
 _PACKED: list[weakref.ref] = []
 
 
-def _bfloat16_linear(weight: torch.Tensor, bias: torch.Tensor | None):
-    """``forward`` of a bfloat16 CPU Linear: oneDNN on a packed copy, or float32 for many rows.
-
-    NOTE: under torch.compile (engine.compile) the call is one opaque op that finds the packed copy
-    by handle: inductor cannot lower oneDNN's op on a packed constant itself.
-    """
-    packed = torch.ops.mkldnn._reorder_linear_weight(weight, 32)
-    handle = len(_PACKED)
+def _register(packed: _Packed) -> int:
     _PACKED.append(weakref.ref(packed))
+    return len(_PACKED) - 1
+
+
+def _native_rows(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether ``x``'s rows are as many as the native kernel takes (for float32 read at trace
+    time too, see :func:`_float32_linear`)."""
+    least, most = NATIVE_LINEAR_ROWS[weight.dtype]
+    return least <= x.numel() // weight.shape[1] <= most
+
+
+def _native_matmul(x, weight, bias, panels):
+    """``F.linear(x, weight, bias)`` by the native kernel on ``weight``'s panels."""
+    from corekv.engine.native_attention import load_native_attention
+
+    out = load_native_attention().small_linear(x.reshape(-1, weight.shape[1]), panels, bias)
+    return out.view(*x.shape[:-1], weight.shape[0])
+
+
+def use_native_linears(hf_model: Any, kernels) -> None:
+    """Give each float32 CPU ``nn.Linear``, and each bfloat16 one with a oneDNN copy, whose output
+    size is a multiple of 64 a copy of its weight packed into panels, multiplied by
+    ``kernels.small_linear`` for the rows of :data:`NATIVE_LINEAR_ROWS` during a step of a native
+    runner (``engine.compile``); anything else (other rows, a torch-path runner's steps,
+    ``model.generate`` and other plain Hugging Face use) runs as before. Idempotent. The packed
+    copies double the weights' memory (SmolLM2-135M, tied ``lm_head`` included: +540 MB in
+    float32, +270 MB in bfloat16).
+    """
+    for module in hf_model.modules():
+        weight = getattr(module, "weight", None)
+        if not isinstance(module, torch.nn.Linear) or weight.device.type != "cpu" or weight.shape[0] % 64:
+            continue
+        packed = getattr(module, "_corekv_packed", None)
+        if weight.dtype == torch.float32 and packed is None:
+            module._corekv_packed = packed = _Packed()
+            module.forward = _float32_linear(weight.detach(), module.bias, packed)
+        if packed is not None and packed.panels is None:
+            packed.panels = kernels.pack_linear_weight(weight.detach())
+
+
+def _bfloat16_linear(weight: torch.Tensor, bias: torch.Tensor | None, packed: _Packed):
+    """``forward`` of a bfloat16 CPU Linear: oneDNN on a packed copy, float32 for many rows, or
+    the native kernel for a native runner's few rows.
+
+    NOTE: under torch.compile (engine.compile) the call is one opaque op that finds the packed
+    copies by handle (inductor cannot lower oneDNN's op on a packed constant itself) and chooses
+    the kernel when it runs, so steps of every size share a graph.
+    """
+    handle = _register(packed)
 
     def forward(x):
         if torch.compiler.is_compiling():
@@ -76,10 +137,12 @@ def _bfloat16_linear(weight: torch.Tensor, bias: torch.Tensor | None):
     return forward
 
 
-def _bfloat16_matmul(x, weight, bias, packed):
+def _bfloat16_matmul(x, weight, bias, packed: _Packed):
+    if packed.panels is not None and _native_rows(x, weight) and in_native_step():
+        return _native_matmul(x, weight, bias, packed.panels)
     if x.numel() >= BF16_UPCAST_MIN_ROWS * weight.shape[1]:
         return F.linear(x.float(), weight.float(), None if bias is None else bias.float()).to(x.dtype)
-    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+    return torch.ops.mkldnn._linear_pointwise(x, packed.onednn, bias, "none", [], "")
 
 
 @torch.library.custom_op("corekv::bfloat16_linear", mutates_args=())
@@ -93,79 +156,36 @@ def _(x, weight, bias, handle):
     return x.new_empty(*x.shape[:-1], weight.shape[0])
 
 
-#: the rows (least, most) a Linear inside a native runner's step sends to the native kernel, by
-#: weight dtype: a decode step's (a prefill's thousand rows stay with MKL or float32, at the FMA
-#: peak there; one float32 row is a GEMV MKL streams as fast).
-#: NOTE: measured at 2 threads over SmolLM2's 30 layers (benchmarks/cpu_kernels.py and a throwaway
-#: script, BENCHMARKS.md sessions 6-7): float32, against MKL, 0.71-0.73x the time at 5 rows,
-#: 0.65-0.74x at 8, 0.70-0.76x at 16, 0.77-0.93x at 32, 1.16x at 1,024; bfloat16, against oneDNN's
-#: packed GEMM, 0.75x at 1 row, 0.70x at 5, 0.77x at 8, 0.88x at 16, 1.02x at 32.
-NATIVE_LINEAR_ROWS = {torch.float32: (2, 32), torch.bfloat16: (1, 16)}
-
-
-def _native_rows(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether ``x``'s rows are as many as the native kernel takes (read at trace and at run time)."""
-    least, most = NATIVE_LINEAR_ROWS[weight.dtype]
-    return least <= x.numel() // weight.shape[1] <= most
-
-
-def use_native_linears(hf_model: Any, kernels) -> None:
-    """Give each float32 or bfloat16 CPU ``nn.Linear`` whose output size is a multiple of 64 a copy
-    of its weight packed into panels, multiplied by ``kernels.small_linear`` for the rows of
-    :data:`NATIVE_LINEAR_ROWS` during a step of a native runner (``engine.compile``); anything else
-    (other rows, a torch-path runner's steps, ``model.generate`` and other plain Hugging Face use)
-    takes the module's forward as before. Idempotent. The packed copies double the weights' memory
-    (SmolLM2-135M, tied ``lm_head`` included: +540 MB in float32, +270 MB in bfloat16).
-    """
-    for module in hf_model.modules():
-        weight = getattr(module, "weight", None)
-        if (not isinstance(module, torch.nn.Linear) or weight.device.type != "cpu" or weight.dtype not in NATIVE_LINEAR_ROWS
-                or weight.shape[0] % 64 or getattr(module, "_corekv_native_linear", False)):
-            continue
-        module.forward = _native_linear(weight.detach(), module.bias, module.forward, kernels)
-        module._corekv_native_linear = True
-
-
-def _native_linear(weight: torch.Tensor, bias: torch.Tensor | None, otherwise, kernels):
-    """``forward`` of a CPU Linear with a packed copy (see :func:`use_native_linears`); ``otherwise``
-    is the module's forward before (``F.linear``, or :func:`_bfloat16_linear`'s).
+def _float32_linear(weight: torch.Tensor, bias: torch.Tensor | None, packed: _Packed):
+    """``forward`` of a float32 CPU Linear with panels (see :func:`use_native_linears`).
 
     NOTE: under torch.compile an opaque op for decode-sized steps only (a guard on the step's size):
     decode-sized steps get a graph of their own, so a prefill's linears stay inductor's GEMMs on its
     planned buffers (behind an opaque op they wrote fresh outputs: +40-70 ms a 1,024-token step
     here); a compiled engine holds one more graph (its start took 119 s instead of 76 here).
     """
-    packed = kernels.pack_linear_weight(weight)
-    handle = len(_PACKED)
-    _PACKED.append(weakref.ref(packed))
-    small = kernels.small_linear
+    handle = _register(packed)
 
     def forward(x):
         if _native_rows(x, weight):
             if torch.compiler.is_compiling():
-                return torch.ops.corekv.native_linear(x, weight, bias, handle)
+                return torch.ops.corekv.float32_linear(x, weight, bias, handle)
             if in_native_step():
-                return _native_matmul(x, weight, bias, packed, small)
-        return otherwise(x)
+                return _native_matmul(x, weight, bias, packed.panels)
+        return F.linear(x, weight, bias)
     return forward
 
 
-def _native_matmul(x, weight, bias, packed, small):
-    return small(x.reshape(-1, weight.shape[1]), packed, bias).view(*x.shape[:-1], weight.shape[0])
-
-
-@torch.library.custom_op("corekv::native_linear", mutates_args=())
-def _native_linear_op(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
-                      handle: int) -> torch.Tensor:
+@torch.library.custom_op("corekv::float32_linear", mutates_args=())
+def _float32_linear_op(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
+                       handle: int) -> torch.Tensor:
     """A compiled graph's decode-sized Linear; ``F.linear`` when its graph runs outside a native
     runner's step (dynamo's guards do not see which runner calls it)."""
-    from corekv.engine.native_attention import load_native_attention
-
     if not in_native_step():
         return F.linear(x, weight, bias)
-    return _native_matmul(x, weight, bias, _PACKED[handle](), load_native_attention().small_linear)
+    return _native_matmul(x, weight, bias, _PACKED[handle]().panels)
 
 
-@_native_linear_op.register_fake
+@_float32_linear_op.register_fake
 def _(x, weight, bias, handle):
     return x.new_empty(*x.shape[:-1], weight.shape[0])

@@ -251,7 +251,8 @@ def test_native_linears_serve_only_a_native_runners_decode_sized_steps(dtype):
     """After a native runner wires a model, its Linear layers (outputs a multiple of 64) run the
     kernel for NATIVE_LINEAR_ROWS' rows inside that runner's steps, and are exactly their forward
     before everywhere else: plain Hugging Face calls, fewer or more rows, a torch-path runner's
-    steps (bfloat16: oneDNN's packed GEMM, or float32 from 128 rows)."""
+    steps (bfloat16: oneDNN's packed GEMM, or float32 from 128 rows). Wiring twice packs nothing
+    again."""
     from corekv.engine.attention import forward_context
     from corekv.engine.cpu_linears import NATIVE_LINEAR_ROWS
     from corekv.engine.model_runner import ModelRunner
@@ -263,9 +264,12 @@ def test_native_linears_serve_only_a_native_runners_decode_sized_steps(dtype):
     module = next(m for m in loaded.model.modules() if isinstance(m, torch.nn.Linear) and m.weight.shape[0] == 128)
     before = module.forward
     runner = ModelRunner(loaded, pool, native=True)
-    wired = [m for m in loaded.model.modules() if getattr(m, "_corekv_native_linear", False)]
+    wired = [m for m in loaded.model.modules() if getattr(getattr(m, "_corekv_packed", None), "panels", None) is not None]
     assert {m.weight.shape[0] for m in wired} == {64, 128, 320}  # k/v projections (32 outputs) are not
     assert module in wired
+    panels = module._corekv_packed.panels
+    ModelRunner(loaded, pool, native=True)
+    assert module._corekv_packed.panels is panels
     kernel = runner._native.small_linear
     native = AttentionMetadata(kv_pool=pool, slot_block_ids=torch.zeros(0), slot_offsets=torch.zeros(0),
                                native=runner._native)
