@@ -4,10 +4,10 @@
 
 * ``linears``: one decoder step's seven Linear weights of all 30 layers (so they stream from memory
   as in the engine) at 1 to 1,024 rows: ``F.linear`` on the row-major weight, on the transposed
-  layout corekv stores for float32, on a oneDNN-packed copy, (float32, session 6) the native kernel
-  on a copy packed into 64-column panels (engine/small_linear.cpp, what ``engine.compile`` runs
-  for 2-32 rows), and (bfloat16) multiplied in float32 after upcasting input and weight (what
-  corekv does from 128 rows).
+  layout corekv stores for float32, the native kernel on a copy packed into 64-column panels
+  (engine/small_linear.cpp, what ``engine.compile`` runs for a decode step's rows: float32 from
+  session 6, bfloat16 from session 7), on a oneDNN-packed copy, and (bfloat16) multiplied in
+  float32 after upcasting input and weight (what corekv does from 128 rows).
 * ``prefill attention``: W2's step shape (8 chunks of 128 tokens after a shared 384-token cached
   prefix, 9 query and 3 KV heads of 64, one layer): eight masked SDPA calls over gathered contexts
   (corekv's path for single chunks) against a :class:`PrefillGroup`-style shared call plus one
