@@ -52,7 +52,7 @@ class EngineConfig:
                            "corekv's paged attention stays one opaque op) when the engine starts (1-2 "
                            "minutes on 2 cores), and on CPU build corekv's native kernels (paged decode and "
                            "prefill attention, the linears of decode-sized steps; g++ and ninja, once per "
-                           "machine); W1 then runs 23-34% and W2 12-14% faster here; bfloat16's greedy tokens "
+                           "machine); W1 then runs 22-34% and W2 4-14% faster here; bfloat16's greedy tokens "
                            "are not bit-identical to eager bfloat16's")
     tune_cpu_malloc: bool = _field(True, "on a CPU device with glibc: keep freed activation "
                                    "buffers in the heap (mallopt) instead of page-faulting them in "

@@ -23,9 +23,13 @@ def prepare_linear_weights(hf_model: Any) -> None:
     * bfloat16: the module also gets a copy packed in oneDNN's blocked layout, and its ``forward``
       runs oneDNN's matmul on it (``torch.ops.mkldnn._linear_pointwise``, what inductor uses for
       frozen CPU linears) for fewer than :data:`BF16_UPCAST_MIN_ROWS` rows; more rows (a prefill)
-      are multiplied in float32 and rounded back to bfloat16. ``weight`` stays as loaded (state
-      dict, fingerprint, tied embedding) and must not be changed afterwards: the packed copy would
-      not follow.
+      are multiplied in float32 and rounded back to bfloat16; a native runner's decode steps take
+      the native kernel (:func:`use_native_linears`). ``weight`` stays as loaded (state dict,
+      fingerprint, tied embedding) and must not be changed afterwards: the packed copies would
+      not follow. Where oneDNN has no bfloat16 kernels (CPUs without AVX-512) nothing changes,
+      and the native kernel is not used for bfloat16 either.
+
+    Idempotent: a module prepared before keeps its copies.
 
     NOTE: measured on this CPU (``benchmarks/cpu_kernels.py``: 2 threads, torch 2.13, all 30 layers'
     weights so they stream from memory). float32 ``F.linear`` with the transposed layout: 0.87-1.04x
@@ -47,7 +51,7 @@ def prepare_linear_weights(hf_model: Any) -> None:
             continue
         if weight.dtype == torch.float32 and id(weight) not in shared and weight.is_contiguous():
             weight.data = weight.data.t().contiguous().t()
-        elif weight.dtype == torch.bfloat16 and pack_bf16:
+        elif weight.dtype == torch.bfloat16 and pack_bf16 and not hasattr(module, "_corekv_packed"):
             module._corekv_packed = _Packed(onednn=torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 32))
             module.forward = _bfloat16_linear(weight.detach(), module.bias, module._corekv_packed)
 
@@ -82,6 +86,14 @@ _PACKED: list[weakref.ref] = []
 def _register(packed: _Packed) -> int:
     _PACKED.append(weakref.ref(packed))
     return len(_PACKED) - 1
+
+
+def _packed(handle: int) -> _Packed:
+    packed = _PACKED[handle]()
+    if packed is None:
+        raise RuntimeError(f"corekv: the packed weights of Linear handle {handle} are gone (its module was "
+                           "freed or re-prepared); a compiled graph built for that model cannot run any more")
+    return packed
 
 
 def _native_rows(x: torch.Tensor, weight: torch.Tensor) -> bool:
@@ -148,7 +160,7 @@ def _bfloat16_matmul(x, weight, bias, packed: _Packed):
 @torch.library.custom_op("corekv::bfloat16_linear", mutates_args=())
 def _bfloat16_linear_op(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
                         handle: int) -> torch.Tensor:
-    return _bfloat16_matmul(x, weight, bias, _PACKED[handle]())
+    return _bfloat16_matmul(x, weight, bias, _packed(handle))
 
 
 @_bfloat16_linear_op.register_fake
@@ -183,7 +195,7 @@ def _float32_linear_op(x: torch.Tensor, weight: torch.Tensor, bias: Optional[tor
     runner's step (dynamo's guards do not see which runner calls it)."""
     if not in_native_step():
         return F.linear(x, weight, bias)
-    return _native_matmul(x, weight, bias, _PACKED[handle]().panels)
+    return _native_matmul(x, weight, bias, _packed(handle).panels)
 
 
 @_float32_linear_op.register_fake

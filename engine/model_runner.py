@@ -79,7 +79,8 @@ class ModelRunner:
             raise CoreKVError(f"ModelRunner: compile must be True or False, got {compile!r}")
         # NOTE: torch.compile wraps the model without changing it (a LoadedModel may be shared, and
         # model.generate keeps running it eagerly); dynamic shapes, so steps of any size share a graph
-        # (with the native linears: one graph for decode-sized steps, one for the rest).
+        # (with the native float32 linears: one graph for decode-sized steps, one for the rest;
+        # bfloat16 linears choose their kernel inside their op, so bfloat16 keeps one graph).
         self._forward = torch.compile(self.model, dynamic=True) if compile else self.model
         # NOTE: on CPU the native kernels (attention; linears of decode-sized steps) run when asked, by
         # default when compiled: both build C++ for this machine (load_native_attention raises

@@ -22,7 +22,7 @@ typedef float vf __attribute__((vector_size(64)));
 typedef unsigned short vh __attribute__((vector_size(32)));
 typedef unsigned int vu __attribute__((vector_size(64)));
 constexpr int64_t PANEL = 64;       // outputs per panel: 4 vectors
-constexpr int64_t DEPTH = 128;      // k per slice of a panel (32 KiB, in L1 for every block of rows)
+constexpr int64_t DEPTH = 128;      // k per slice of a panel (32 KiB float32, 16 bfloat16: in L1 for every block of rows)
 constexpr int64_t PREFETCH = 4096;  // bytes of panel ahead
 
 inline vf load(const float* p) { vf v; std::memcpy(&v, p, sizeof v); return v; }

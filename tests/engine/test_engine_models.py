@@ -11,7 +11,7 @@ import torch
 
 from corekv.errors import CoreKVError
 from corekv.engine import models
-from corekv.engine.cpu_linears import BF16_UPCAST_MIN_ROWS
+from corekv.engine.cpu_linears import BF16_UPCAST_MIN_ROWS, prepare_linear_weights
 from corekv.engine.models import check_architecture, load_model, make_tiny_llama
 
 
@@ -136,6 +136,11 @@ def test_bfloat16_cpu_linears_run_on_onednn_packed_weights_with_the_same_results
     compiled = torch.compile(lambda x: module(x) + 0, dynamic=True)
     for x in (few, many):
         assert torch.equal(compiled(x), module(x))
+    # preparing again keeps each module's copies (a graph compiled for them finds them by handle)
+    packed, forward = module._corekv_packed, module.forward
+    prepare_linear_weights(loaded.model)
+    assert module._corekv_packed is packed and module.forward is forward
+    assert torch.equal(compiled(few), module(few))
 
 
 # ---- architectures that cannot be served -----------------------------------------------------

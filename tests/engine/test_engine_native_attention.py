@@ -246,15 +246,20 @@ def test_small_linear_checks_its_arguments():
         kernels.small_linear(torch.zeros(2, 8), packed, torch.zeros(64).bfloat16())
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_native_linears_serve_only_a_native_runners_decode_sized_steps(dtype):
+@pytest.mark.parametrize("dtype", [
+    "float32",
+    pytest.param("bfloat16", marks=pytest.mark.skipif(
+        not torch.ops.mkldnn._is_mkldnn_bf16_supported(), reason="bfloat16 linears keep F.linear without oneDNN's bfloat16")),
+])
+def test_native_linears_serve_only_a_native_runners_decode_sized_steps(dtype, monkeypatch):
     """After a native runner wires a model, its Linear layers (outputs a multiple of 64) run the
-    kernel for NATIVE_LINEAR_ROWS' rows inside that runner's steps, and are exactly their forward
-    before everywhere else: plain Hugging Face calls, fewer or more rows, a torch-path runner's
-    steps (bfloat16: oneDNN's packed GEMM, or float32 from 128 rows). Wiring twice packs nothing
-    again."""
+    kernel for NATIVE_LINEAR_ROWS' rows inside that runner's steps, eagerly and through the opaque
+    op a compiled graph calls, and give what they gave before wiring everywhere else: plain Hugging
+    Face calls, fewer or more rows, a torch-path runner's steps (bfloat16: oneDNN's packed GEMM, or
+    float32 from 128 rows). Wiring twice packs nothing again. The kernel's calls are counted (the
+    real kernel, wrapped): at this size its bfloat16 results equal oneDNN's bit for bit."""
+    from corekv.engine import cpu_linears, native_attention
     from corekv.engine.attention import forward_context
-    from corekv.engine.cpu_linears import NATIVE_LINEAR_ROWS
     from corekv.engine.model_runner import ModelRunner
     from corekv.engine.models import make_tiny_llama
     from corekv.engine.step_metadata import AttentionMetadata
@@ -262,7 +267,10 @@ def test_native_linears_serve_only_a_native_runners_decode_sized_steps(dtype):
     loaded = make_tiny_llama(dtype=dtype)  # its own model: wiring changes the modules' forward
     pool = KVPool(loaded.num_layers, 8, 16, loaded.num_kv_heads, loaded.head_dim, loaded.dtype, "cpu")
     module = next(m for m in loaded.model.modules() if isinstance(m, torch.nn.Linear) and m.weight.shape[0] == 128)
-    before = module.forward
+    least, most = cpu_linears.NATIVE_LINEAR_ROWS[loaded.dtype]
+    all_rows = sorted({1, least - 1, least, most, most + 1, 200} - {0})
+    inputs = {rows: torch.randn(1, rows, module.weight.shape[1]).to(loaded.dtype) for rows in all_rows}
+    before = {rows: module(x) for rows, x in inputs.items()}  # the forward before any runner wired it
     runner = ModelRunner(loaded, pool, native=True)
     wired = [m for m in loaded.model.modules() if getattr(getattr(m, "_corekv_packed", None), "panels", None) is not None]
     assert {m.weight.shape[0] for m in wired} == {64, 128, 320}  # k/v projections (32 outputs) are not
@@ -270,23 +278,31 @@ def test_native_linears_serve_only_a_native_runners_decode_sized_steps(dtype):
     panels = module._corekv_packed.panels
     ModelRunner(loaded, pool, native=True)
     assert module._corekv_packed.panels is panels
-    kernel = runner._native.small_linear
+    handle = next(i for i, ref in enumerate(cpu_linears._PACKED) if ref() is module._corekv_packed)
+    op = torch.ops.corekv.float32_linear if dtype == "float32" else torch.ops.corekv.bfloat16_linear
+    kernel, calls = runner._native.small_linear, []
+
+    def counted(*args):
+        calls.append(args[0].shape[0])
+        return kernel(*args)
+    monkeypatch.setattr(native_attention, "_kernels", runner._native._replace(small_linear=counted))
     native = AttentionMetadata(kv_pool=pool, slot_block_ids=torch.zeros(0), slot_offsets=torch.zeros(0),
                                native=runner._native)
     plain = AttentionMetadata(kv_pool=pool, slot_block_ids=torch.zeros(0), slot_offsets=torch.zeros(0))
-    least, most = NATIVE_LINEAR_ROWS[loaded.dtype]
     tolerance = 1e-5 if loaded.dtype == torch.float32 else 1e-2
-    for rows in sorted({1, least - 1, least, most, most + 1, 200} - {0}):
-        x = torch.randn(1, rows, module.weight.shape[1]).to(loaded.dtype)
-        reference = before(x)
-        assert torch.equal(module(x), reference)
+    for rows, x in inputs.items():
+        assert torch.equal(module(x), before[rows])
         with forward_context(plain):
-            assert torch.equal(module(x), reference)
+            assert torch.equal(module(x), before[rows])
+            if least <= rows <= most:  # a compiled graph's op outside a native step: as before
+                assert torch.equal(op(x, module.weight, module.bias, handle), before[rows])
         with forward_context(native):
             if least <= rows <= most:
-                packed = runner._native.pack_linear_weight(module.weight)
-                assert torch.equal(module(x), kernel(x[0], packed, module.bias)[None])
-                torch.testing.assert_close(module(x), reference, rtol=tolerance, atol=tolerance)
+                expected = kernel(x[0], panels, module.bias)[None]
+                assert torch.equal(module(x), expected)
+                assert torch.equal(op(x, module.weight, module.bias, handle), expected)
+                torch.testing.assert_close(expected, before[rows], rtol=tolerance, atol=tolerance)
             else:
-                assert torch.equal(module(x), reference)
+                assert torch.equal(module(x), before[rows])
+    assert calls == [rows for rows in all_rows if least <= rows <= most for _ in range(2)]
 
