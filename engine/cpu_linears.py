@@ -163,9 +163,12 @@ def _bfloat16_linear_op(x: torch.Tensor, weight: torch.Tensor, bias: Optional[to
     return _bfloat16_matmul(x, weight, bias, _packed(handle))
 
 
-@_bfloat16_linear_op.register_fake
-def _(x, weight, bias, handle):
+def _linear_output(x, weight, bias, handle):
+    """Both ops' output for tracing: ``x``'s rows by ``weight``'s outputs."""
     return x.new_empty(*x.shape[:-1], weight.shape[0])
+
+
+_bfloat16_linear_op.register_fake(_linear_output)
 
 
 def _float32_linear(weight: torch.Tensor, bias: torch.Tensor | None, packed: _Packed):
@@ -179,13 +182,18 @@ def _float32_linear(weight: torch.Tensor, bias: torch.Tensor | None, packed: _Pa
     handle = _register(packed)
 
     def forward(x):
-        if _native_rows(x, weight):
-            if torch.compiler.is_compiling():
-                return torch.ops.corekv.float32_linear(x, weight, bias, handle)
-            if in_native_step():
-                return _native_matmul(x, weight, bias, packed.panels)
-        return F.linear(x, weight, bias)
+        if not _native_rows(x, weight):
+            return F.linear(x, weight, bias)
+        if torch.compiler.is_compiling():
+            return torch.ops.corekv.float32_linear(x, weight, bias, handle)
+        return _float32_matmul(x, weight, bias, packed)
     return forward
+
+
+def _float32_matmul(x, weight, bias, packed: _Packed):
+    if in_native_step():
+        return _native_matmul(x, weight, bias, packed.panels)
+    return F.linear(x, weight, bias)
 
 
 @torch.library.custom_op("corekv::float32_linear", mutates_args=())
@@ -193,11 +201,7 @@ def _float32_linear_op(x: torch.Tensor, weight: torch.Tensor, bias: Optional[tor
                        handle: int) -> torch.Tensor:
     """A compiled graph's decode-sized Linear; ``F.linear`` when its graph runs outside a native
     runner's step (dynamo's guards do not see which runner calls it)."""
-    if not in_native_step():
-        return F.linear(x, weight, bias)
-    return _native_matmul(x, weight, bias, _packed(handle).panels)
+    return _float32_matmul(x, weight, bias, _packed(handle))
 
 
-@_float32_linear_op.register_fake
-def _(x, weight, bias, handle):
-    return x.new_empty(*x.shape[:-1], weight.shape[0])
+_float32_linear_op.register_fake(_linear_output)
