@@ -1,4 +1,4 @@
-"""The CPU kernel choices behind corekv's engine, measured at SmolLM2-135M's shapes (sessions 4-6).
+"""The CPU kernel choices behind corekv's engine, measured at SmolLM2-135M's shapes (sessions 4-7).
 
     python benchmarks/cpu_kernels.py [--threads 2] [--repeats 5]
 

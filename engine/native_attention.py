@@ -9,8 +9,8 @@ layer each, where the torch path copies the blocks into contiguous buffers and c
 * ``paged_prefill``: every prefill chunk of the step, causally over its sequence's blocks: no
   gather, no mask tensor, no merge of a shared prefix's and a chunk's own parts.
 
-and ``small_linear`` multiplies a decode step's few rows by a float32 or bfloat16 weight packed into panels
-(``engine/cpu_linears.py`` wires it into the model's Linear layers).
+and ``small_linear`` multiplies a decode step's few rows by a float32 or bfloat16 weight packed into
+panels (``engine/cpu_linears.py`` wires it into the model's Linear layers).
 
 NOTE: compiled with -ffast-math (vectorised exp, reordered sums: 0.6x the time of a strict build
 here) for finite inputs, as a model's Q/K/V are; only compile flags, so no code that changes the
@@ -44,9 +44,9 @@ class NativeKernels(NamedTuple):
     decode: Callable
     #: ``(q [T, H * G, D], k_pool, v_pool, block_tables, query_starts, start_pos, scale, out) -> None``
     prefill: Callable
-    #: ``(weight [out, in] float32) -> packed [out / 64, in, 64]``
+    #: ``(weight [out, in] float32 or bfloat16) -> packed [out / 64, in, 64]`` (the same dtype)
     pack_linear_weight: Callable
-    #: ``(x [rows, in] float32, packed, bias | None) -> [rows, out]``
+    #: ``(x [rows, in], packed, bias | None) -> [rows, out]``, all of the packed weight's dtype
     small_linear: Callable
 
 
