@@ -1,6 +1,6 @@
-"""The tier entry format: a block's raw KV bytes behind a small fixed header.
+"""The tier entry format: a block's raw KV bytes behind a small fixed header, bound to its key.
 
-Layout (little-endian, 72 bytes, then the payload)::
+Layout (little-endian, 88 bytes, then the payload)::
 
     magic      4s   b"CKVB"
     version    H    FORMAT_VERSION
@@ -9,15 +9,24 @@ Layout (little-endian, 72 bytes, then the payload)::
     model      16s  xxh3-128 digest of the model fingerprint
     dims       8I   the block's shape, unused dims 0
     length     Q    payload length in bytes
-    checksum   Q    xxh3-64 over the header's first 64 bytes and the payload
+    integrity  B    INTEGRITY_CHECKSUM or INTEGRITY_MAC: how ``tag`` was made
+    reserved   7x   zero
+    tag        16s  over (the key the entry was written under, the header's first 72 bytes, the
+                    payload): xxh3-128 (a checksum), or keyed BLAKE2b-128 with the tier's secret
 
 Every field is checked on load and a mismatch names its reason (:class:`EntryFault`), so a tier
-can count and log faults by kind. Nothing is ever pickled: a tier may be shared or tampered with,
-and the worst a hostile entry can do is fail these checks.
+can count and log faults by kind. The tag covers the key, so an entry moved to another key (two
+values swapped, every value shifted to the next key) fails its check like a damaged one: an entry
+is KV only for the key it was written for. A checksum stops accidents, not attackers: anyone who
+can write to the store and knows this format can compute one. With a secret (``cache.integrity``)
+the tag is a MAC, and an entry nobody holding the secret wrote is a miss. Nothing is ever
+pickled: the worst a hostile entry can do is fail these checks.
 """
 from __future__ import annotations
 
+import copy
 import enum
+import hashlib
 import math
 import struct
 from collections.abc import Sequence
@@ -26,11 +35,16 @@ from dataclasses import dataclass
 import xxhash
 
 MAGIC = b"CKVB"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 MAX_DIMS = 8
-_HEADER = struct.Struct("<4sHBB16s8IQQ")
-HEADER_SIZE = _HEADER.size  # 72
-_CHECKED = HEADER_SIZE - 8  # every header byte but the checksum is covered by the checksum
+INTEGRITY_CHECKSUM = 0
+INTEGRITY_MAC = 1
+_HEADER = struct.Struct("<4sHBB16s8IQB7x16s")
+HEADER_SIZE = _HEADER.size  # 88
+_CHECKED = HEADER_SIZE - 16  # every header byte but the tag is covered by the tag
+_INTEGRITY_AT = _CHECKED - 8  # offset of the integrity byte
+_MAC_PERSON = b"corekv-entry-v2"  # BLAKE2b personalisation: these MACs mean nothing elsewhere
+MIN_SECRET_BYTES = 16
 
 #: dtype name -> (code, itemsize). Codes are part of the on-disk format: only ever append.
 DTYPES: dict[str, tuple[int, int]] = {
@@ -51,11 +65,12 @@ class EntryFault(str, enum.Enum):
     DTYPE = "dtype"
     SHAPE = "shape"
     LENGTH = "length"
-    CHECKSUM = "checksum"
+    CHECKSUM = "checksum"  # damaged bytes, or an entry written under another key
+    MAC = "mac"  # not authenticated by this tier's secret (or made without one)
 
 
 class EntryError(ValueError):
-    """An entry failed a header or checksum check; ``reason`` is an :class:`EntryFault`."""
+    """An entry failed a header, checksum or MAC check; ``reason`` is an :class:`EntryFault`."""
 
     def __init__(self, reason: EntryFault, message: str):
         super().__init__(f"{reason.value}: {message}")
@@ -84,44 +99,81 @@ def nbytes_of(dtype: str, shape: Sequence[int]) -> int:
     return math.prod(shape) * DTYPES[dtype][1]
 
 
-class EntryCodec:
-    """Encodes and checks entries for one (model fingerprint, dtype, shape).
+def check_secret(secret: bytes | None) -> bytes | None:
+    """``secret`` if it is usable as a MAC key (``None``: no MAC); raises ``ValueError``."""
+    if secret is None:
+        return None
+    if not isinstance(secret, (bytes, bytearray)) or not MIN_SECRET_BYTES <= len(secret) <= 64:
+        raise ValueError(f"the integrity secret must be {MIN_SECRET_BYTES} to 64 bytes, got "
+                         f"{len(secret) if isinstance(secret, (bytes, bytearray)) else type(secret).__name__}"
+                         "; use e.g. `openssl rand -hex 32` (64 hex characters are taken as 32 bytes)")
+    return bytes(secret)
 
-    Invariant: every entry this codec encodes decodes with it to the same payload, and no entry
-    made with a different fingerprint, dtype, shape or format version decodes with it. The header
-    is the same for every block of a tier but for its checksum, so it is packed once here.
+
+def _tag(key: bytes, header_prefix, payload, secret: bytes | None) -> bytes:
+    """The 16-byte tag over ``key``, the header's checked bytes and ``payload``.
+
+    NOTE: the key's length goes first, so (key, header) pairs cannot be re-split to collide.
+    """
+    digest = (xxhash.xxh3_128() if secret is None
+              else hashlib.blake2b(key=secret, digest_size=16, person=_MAC_PERSON))
+    digest.update(len(key).to_bytes(2, "little"))
+    digest.update(key)
+    digest.update(header_prefix)
+    digest.update(payload)
+    return digest.digest()
+
+
+class EntryCodec:
+    """Encodes and checks entries for one (model fingerprint, dtype, shape, secret).
+
+    Invariant: an entry this codec encodes under key ``k`` decodes with it under ``k`` to the same
+    payload, and under no other key; no entry made with a different fingerprint, dtype, shape,
+    format version or secret (or without the secret, when this codec has one) decodes with it.
+    The header is the same for every block of a tier but for its tag, so it is packed once here.
     """
 
-    def __init__(self, *, fingerprint: bytes | str, dtype: str, shape: Sequence[int]):
+    def __init__(self, *, fingerprint: bytes | str, dtype: str, shape: Sequence[int],
+                 secret: bytes | None = None):
         self.dtype = dtype
         self.shape = tuple(shape)
         self.payload_bytes = nbytes_of(dtype, self.shape)
         self.model_digest = fingerprint_digest(fingerprint)
+        self.secret = check_secret(secret)
+        self.integrity = INTEGRITY_CHECKSUM if self.secret is None else INTEGRITY_MAC
         dims = self.shape + (0,) * (MAX_DIMS - len(self.shape))
         self._prefix = _HEADER.pack(MAGIC, FORMAT_VERSION, DTYPES[dtype][0], len(self.shape),
-                                    self.model_digest, *dims, self.payload_bytes, 0)[:_CHECKED]
+                                    self.model_digest, *dims, self.payload_bytes, self.integrity,
+                                    bytes(16))[:_CHECKED]
 
     @property
     def entry_bytes(self) -> int:
         return HEADER_SIZE + self.payload_bytes
 
-    def header(self, payload) -> bytes:
-        """The 72-byte header for ``payload`` (any bytes-like object of ``payload_bytes``)."""
+    def with_secret(self, secret: bytes | None) -> EntryCodec:
+        """The same layout, with ``secret`` as its MAC key (``None``: a plain checksum)."""
+        codec = copy.copy(self)
+        codec.secret = check_secret(secret)
+        codec.integrity = INTEGRITY_CHECKSUM if codec.secret is None else INTEGRITY_MAC
+        codec._prefix = (self._prefix[:_INTEGRITY_AT] + bytes([codec.integrity])
+                         + self._prefix[_INTEGRITY_AT + 1:])
+        return codec
+
+    def header(self, key: bytes, payload) -> bytes:
+        """The header for ``payload`` (any bytes-like object of ``payload_bytes``) under ``key``."""
         view = memoryview(payload).cast("B")
         if view.nbytes != self.payload_bytes:
             raise ValueError(f"payload has {view.nbytes} bytes but this tier stores blocks of "
                              f"{self.payload_bytes} bytes ({self.dtype}{list(self.shape)}); "
                              "pass exactly one block's KV bytes")
-        digest = xxhash.xxh3_64()
-        digest.update(self._prefix)
-        digest.update(view)
-        return self._prefix + digest.intdigest().to_bytes(8, "little")
+        return self._prefix + _tag(key, self._prefix, view, self.secret)
 
-    def encode(self, payload) -> bytes:
-        return self.header(payload) + bytes(payload)
+    def encode(self, key: bytes, payload) -> bytes:
+        return self.header(key, payload) + bytes(payload)
 
-    def decode(self, data) -> memoryview:
-        """The payload of ``data`` as a read-only view (no copy); raises :class:`EntryError`."""
+    def decode(self, key: bytes, data) -> memoryview:
+        """The payload of ``data`` read under ``key``, as a read-only view (no copy); raises
+        :class:`EntryError`."""
         view = memoryview(data).cast("B").toreadonly()
         if view.nbytes < HEADER_SIZE:
             raise EntryError(EntryFault.TRUNCATED, f"{view.nbytes} bytes, shorter than a header")
@@ -129,25 +181,24 @@ class EntryCodec:
             self._raise_header_mismatch(view)
         if view.nbytes != self.entry_bytes:
             raise EntryError(EntryFault.TRUNCATED, f"{view.nbytes} bytes, expected {self.entry_bytes}")
-        _check_checksum(view)
+        _check_tag(key, view, self.secret)
         return view[HEADER_SIZE:]
 
     def _raise_header_mismatch(self, view: memoryview) -> None:
-        magic, version, code, ndim, model, *rest = _HEADER.unpack(view[:HEADER_SIZE])
-        dims, length = tuple(rest[:min(ndim, MAX_DIMS)]), rest[MAX_DIMS]
-        if magic != MAGIC:
-            raise EntryError(EntryFault.MAGIC, f"magic {magic!r}, expected {MAGIC!r}")
-        if version != FORMAT_VERSION:
-            raise EntryError(EntryFault.VERSION, f"format version {version}, expected {FORMAT_VERSION}")
-        if model != self.model_digest:
-            raise EntryError(EntryFault.FINGERPRINT, f"stored for model {model.hex()[:12]}, "
+        header = _unpack(view)
+        if header.version != FORMAT_VERSION:
+            raise EntryError(EntryFault.VERSION, f"format version {header.version}, expected {FORMAT_VERSION}")
+        if header.model_digest != self.model_digest:
+            raise EntryError(EntryFault.FINGERPRINT, f"stored for model {header.model_digest.hex()[:12]}, "
                              f"expected {self.model_digest.hex()[:12]}")
-        if code != DTYPES[self.dtype][0]:
-            raise EntryError(EntryFault.DTYPE, f"dtype {_CODE_TO_DTYPE.get(code, code)!r}, expected {self.dtype!r}")
-        if dims != self.shape or ndim > MAX_DIMS:
-            raise EntryError(EntryFault.SHAPE, f"shape {dims}, expected {self.shape}")
-        if length != self.payload_bytes:
-            raise EntryError(EntryFault.LENGTH, f"payload length {length}, expected {self.payload_bytes}")
+        if header.dtype != self.dtype:
+            raise EntryError(EntryFault.DTYPE, f"dtype {header.dtype!r}, expected {self.dtype!r}")
+        if header.shape != self.shape or header.ndim > MAX_DIMS:
+            raise EntryError(EntryFault.SHAPE, f"shape {header.shape}, expected {self.shape}")
+        if header.payload_bytes != self.payload_bytes:
+            raise EntryError(EntryFault.LENGTH, f"payload length {header.payload_bytes}, expected {self.payload_bytes}")
+        if header.integrity != self.integrity:
+            raise EntryError(EntryFault.MAC, _integrity_mismatch(header.integrity, self.integrity))
         raise EntryError(EntryFault.CHECKSUM, "header bytes were altered")
 
 
@@ -160,6 +211,17 @@ class EntryHeader:
     shape: tuple[int, ...]
     model_digest: bytes
     payload_bytes: int
+    integrity: int
+    ndim: int
+
+
+def _unpack(view: memoryview) -> EntryHeader:
+    magic, version, code, ndim, model, *rest = _HEADER.unpack(view[:HEADER_SIZE])
+    if magic != MAGIC:
+        raise EntryError(EntryFault.MAGIC, f"magic {magic!r}, expected {MAGIC!r}")
+    return EntryHeader(version=version, dtype=_CODE_TO_DTYPE.get(code, f"unknown({code})"),
+                       shape=tuple(rest[:min(ndim, MAX_DIMS)]), model_digest=model,
+                       payload_bytes=rest[MAX_DIMS], integrity=rest[MAX_DIMS + 1], ndim=ndim)
 
 
 def read_header(data) -> EntryHeader:
@@ -170,17 +232,13 @@ def read_header(data) -> EntryHeader:
     view = memoryview(data).cast("B")
     if view.nbytes < HEADER_SIZE:
         raise EntryError(EntryFault.TRUNCATED, f"{view.nbytes} bytes, shorter than a header")
-    magic, version, code, ndim, model, *rest = _HEADER.unpack(view[:HEADER_SIZE])
-    if magic != MAGIC:
-        raise EntryError(EntryFault.MAGIC, f"magic {magic!r}, expected {MAGIC!r}")
-    return EntryHeader(version=version, dtype=_CODE_TO_DTYPE.get(code, f"unknown({code})"),
-                       shape=tuple(rest[:min(ndim, MAX_DIMS)]), model_digest=model,
-                       payload_bytes=rest[MAX_DIMS])
+    return _unpack(view)
 
 
-def check_entry(data) -> EntryHeader:
-    """Check an entry of *any* model (``corekv store verify``): a known format version and dtype,
-    a shape that matches the payload length, the full length, and the checksum.
+def check_entry(key: bytes, data, secret: bytes | None = None) -> EntryHeader:
+    """Check an entry of *any* model read under ``key`` (``corekv store verify``): a known format
+    version and dtype, a shape that matches the payload length, the full length, and the tag
+    (the MAC with ``secret``, which keyed entries need and plain ones must not have).
 
     :returns: the entry's header; raises :class:`EntryError` naming the first fault.
     """
@@ -196,23 +254,39 @@ def check_entry(data) -> EntryHeader:
     if view.nbytes != HEADER_SIZE + header.payload_bytes:
         raise EntryError(EntryFault.TRUNCATED, f"{view.nbytes} bytes, expected "
                          f"{HEADER_SIZE + header.payload_bytes}")
-    _check_checksum(view)
+    expected = INTEGRITY_CHECKSUM if secret is None else INTEGRITY_MAC
+    if header.integrity != expected:
+        raise EntryError(EntryFault.MAC, _integrity_mismatch(header.integrity, expected))
+    _check_tag(key, view, secret)
     return header
 
 
-def _check_checksum(view: memoryview) -> None:
-    digest = xxhash.xxh3_64()
-    digest.update(view[:_CHECKED])
-    digest.update(view[HEADER_SIZE:])
-    if digest.intdigest() != int.from_bytes(view[_CHECKED:HEADER_SIZE], "little"):
-        raise EntryError(EntryFault.CHECKSUM, "checksum does not match the entry's bytes")
+def _integrity_mismatch(found: int, expected: int) -> str:
+    if expected == INTEGRITY_MAC:
+        return "the entry carries no MAC, and this tier accepts only entries written with its secret"
+    if found == INTEGRITY_MAC:
+        return "the entry carries a MAC, and this tier has no secret to check it (cache.integrity)"
+    return f"unknown integrity kind {found}"
 
 
-def encode_entry(payload, *, fingerprint: bytes | str, dtype: str, shape: Sequence[int]) -> bytes:
-    """Header + ``payload`` for one block. ``payload`` must have ``prod(shape) * itemsize`` bytes."""
-    return EntryCodec(fingerprint=fingerprint, dtype=dtype, shape=shape).encode(payload)
+def _check_tag(key: bytes, view: memoryview, secret: bytes | None) -> None:
+    if _tag(key, view[:_CHECKED], view[HEADER_SIZE:], secret) != view[_CHECKED:HEADER_SIZE]:
+        if secret is not None:
+            raise EntryError(EntryFault.MAC, "the MAC does not match the entry's key and bytes (damaged, "
+                             "moved from another key, or not written with this tier's secret)")
+        raise EntryError(EntryFault.CHECKSUM, "checksum does not match the entry's key and bytes "
+                         "(damaged, or moved from another key)")
 
 
-def decode_entry(data, *, fingerprint: bytes | str, dtype: str, shape: Sequence[int]) -> memoryview:
-    """The checked payload of ``data``; raises :class:`EntryError` naming the first mismatch."""
-    return EntryCodec(fingerprint=fingerprint, dtype=dtype, shape=shape).decode(data)
+def encode_entry(key: bytes, payload, *, fingerprint: bytes | str, dtype: str, shape: Sequence[int],
+                 secret: bytes | None = None) -> bytes:
+    """Header + ``payload`` for one block stored under ``key``; ``payload`` must have
+    ``prod(shape) * itemsize`` bytes."""
+    return EntryCodec(fingerprint=fingerprint, dtype=dtype, shape=shape, secret=secret).encode(key, payload)
+
+
+def decode_entry(key: bytes, data, *, fingerprint: bytes | str, dtype: str, shape: Sequence[int],
+                 secret: bytes | None = None) -> memoryview:
+    """The checked payload of ``data`` read under ``key``; raises :class:`EntryError` naming the
+    first mismatch."""
+    return EntryCodec(fingerprint=fingerprint, dtype=dtype, shape=shape, secret=secret).decode(key, data)

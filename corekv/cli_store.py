@@ -84,7 +84,7 @@ def cmd_store(args: argparse.Namespace) -> int:
         if action == "ls":
             return _store_ls(views, args.limit, args.json)
         if action == "verify":
-            return _store_verify(views, args.delete_bad, args.json)
+            return _store_verify(views, args.delete_bad, args.json, cfg.cache.integrity.secret())
         model = None if args.all_models else (args.model or _model_fp12(cfg))
         result = {view.name: store.clear(view, model) for view in views}
         if args.json:
@@ -164,10 +164,10 @@ def _store_ls(views, limit: int | None, as_json: bool) -> int:
     return 0
 
 
-def _store_verify(views, delete_bad: bool, as_json: bool) -> int:
+def _store_verify(views, delete_bad: bool, as_json: bool, secret: bytes | None) -> int:
     from corekv import store
 
-    results = [store.verify(view, delete_bad=delete_bad) for view in views]
+    results = [store.verify(view, delete_bad=delete_bad, secret=secret) for view in views]
     if as_json:
         print(json.dumps(results, indent=2))
     else:

@@ -6,7 +6,8 @@ store shared by several models, and opening it would mean loading the weights. T
 therefore read each tier's storage directly, entry by entry, and trust nothing but the entries
 themselves: every entry's header (:func:`corekv.block_format.read_header`) names its model
 digest, dtype and shape, and :func:`corekv.block_format.check_entry` verifies it *self-consistently* (magic, version,
-dtype, shape vs length, checksum). That works for entries of any model in the store.
+dtype, shape vs length, and the tag over its key, header and payload: the checksum, or the MAC
+with ``cache.integrity``'s secret). That works for entries of any model in the store.
 
 Each persistent tier type needs a small :class:`StoreView` here (lmdb, fsspec, redis); the
 ``host`` tier lives in one process's memory, so a new process has nothing to inspect.
@@ -197,12 +198,13 @@ def summarize(view: StoreView) -> dict:
             "models": models}
 
 
-def verify(view: StoreView, *, delete_bad: bool = False) -> dict:
-    """Check every entry (:func:`check_entry`); returns counts and the bad entries' reasons."""
+def verify(view: StoreView, *, delete_bad: bool = False, secret: bytes | None = None) -> dict:
+    """Check every entry under its key (:func:`check_entry`; with ``secret``, its MAC); returns
+    counts and the bad entries' reasons."""
     good, bad = 0, []
     for entry in view.entries():
         try:
-            check_entry(entry.data)
+            check_entry(entry.key, entry.data, secret)
             good += 1
         except EntryError as e:
             bad.append((entry, str(e)))

@@ -13,7 +13,10 @@ Factory convention (what :func:`make_tier` passes to ``TierSpec.factory``)::
 
 ``options`` are the tier's validated ``cache.tiers[i]`` fields; ``fingerprint`` is the model
 fingerprint digest; ``dtype``/``shape`` describe one block (``prod(shape) * itemsize ==
-block_bytes``). A factory may accept ``name`` too; :func:`make_tier` passes it when given.
+block_bytes``). A factory may accept ``name`` too; :func:`make_tier` passes it when given. A
+factory that rejects an option raises ``ConfigError(message, path=<option name>)``, so the error
+names ``cache.tiers[i].<option>``. Tiers never see the integrity secret: :func:`make_tier` gives
+their codec the key, so a third-party tier checks MACs with no code of its own.
 """
 from __future__ import annotations
 
@@ -65,7 +68,8 @@ os.register_at_fork(after_in_child=_forget_verifier_in_child)
 class Tier(ABC):
     """A store of whole KV blocks keyed by chained block hash.
 
-    Invariants: ``get`` never returns bytes that failed the header and checksum checks; a failed
+    Invariants: ``get`` never returns bytes that failed the header and tag checks, nor an entry
+    read under any key but the one it was written for (the tag covers the key); a failed
     entry is gone after the ``get`` that found it; ``put`` and ``get`` never raise because the
     store is full, down or corrupt (they skip or miss and count it). Public methods take one lock,
     so the cache manager may offload from a background thread while the step thread loads.
@@ -129,7 +133,7 @@ class Tier(ABC):
                 payload = None
                 if entry is not None:
                     try:
-                        payload = self.codec.decode(entry)
+                        payload = self.codec.decode(key, entry)
                     except EntryError as e:
                         self._record_fault(key, e)
                         bad_keys.append(key)
@@ -160,12 +164,12 @@ class Tier(ABC):
 
         def visit(found: list[tuple[int, Any]]) -> None:
             # an entry is copied only after its check passed; the next one is checked meanwhile
-            checks: list[Future] = ([_verify_thread().submit(self.codec.decode, entry) for _, entry in found]
+            checks: list[Future] = ([_verify_thread().submit(self.codec.decode, keys[i], entry) for i, entry in found]
                                     if len(found) > 1 else [])
             try:
                 for n, (index, entry) in enumerate(found):
                     try:
-                        payload = checks[n].result() if checks else self.codec.decode(entry)
+                        payload = checks[n].result() if checks else self.codec.decode(keys[index], entry)
                         # NOTE: numpy's copy runs at memcpy speed; a memoryview slice assignment
                         # of the same bytes runs at about half of it on this CPU (BENCHMARKS.md).
                         np.copyto(views[index], np.frombuffer(payload, dtype=np.uint8))
@@ -196,7 +200,7 @@ class Tier(ABC):
         if not isinstance(items, Sequence) or isinstance(items, (bytes, str)):
             raise TypeError(f"items must be a sequence of (key, payload) pairs, got {type(items).__name__}")
         self._check_keys([item[0] for item in items], "items[i][0]")
-        encoded = [(key, (self.codec.header(payload), payload)) for key, payload in items]
+        encoded = [(key, (self.codec.header(key, payload), payload)) for key, payload in items]
         if not encoded:
             return 0
         with self._lock:
@@ -350,34 +354,45 @@ class Tier(ABC):
 
 def make_tier(spec, options: Mapping[str, Any], *, block_bytes: int, fingerprint: bytes,
               dtype: str = "uint8", shape: Sequence[int] | None = None,
-              name: str | None = None) -> Tier:
+              name: str | None = None, secret: bytes | None = None,
+              where: str | None = None) -> Tier:
     """Build a tier from its :class:`corekv.plugin.TierSpec` and its ``cache.tiers[i]`` options.
 
     Absent options take their declared defaults; unknown or missing required ones raise
-    :class:`ConfigError`; a factory that fails raises :class:`PluginError` naming the plugin.
+    :class:`ConfigError`, and so does a factory that raises ``ConfigError(path=<option>)``, with
+    ``where`` (the entry's field path, e.g. ``cache.tiers[0]``) before the option's name; any other
+    failure of the factory raises :class:`PluginError` naming the plugin. ``secret`` makes every
+    entry's tag a MAC with that key (:mod:`corekv.block_format`), whatever the tier's type.
     """
-    where = f"cache.tiers ({spec.name})"
+    where = where or f"cache.tiers ({spec.name})"
     unknown = sorted(set(options) - set(spec.options))
     if unknown:
-        raise ConfigError(f"{where}: unknown option(s) {unknown}; expected some of {sorted(spec.options)}")
+        raise ConfigError(f"{where}: unknown option(s) {unknown}; expected some of {sorted(spec.options)}",
+                          path=where)
     kwargs = {}
     for option_name, option in spec.options.items():
         if option_name in options:
             kwargs[option_name] = options[option_name]
         elif option.is_required:
-            raise ConfigError(f"{where}: option {option_name!r} is required ({option.help}); add it")
+            raise ConfigError(f"{where}: option {option_name!r} is required ({option.help}); add it",
+                              path=f"{where}.{option_name}")
         else:
             kwargs[option_name] = option.default
     extra = {"name": name} if name is not None else {}
     try:
         tier = spec.factory(**kwargs, block_bytes=block_bytes, fingerprint=fingerprint, dtype=dtype,
                             shape=tuple(shape) if shape is not None else None, **extra)
-    except (ConfigError, PluginError):
+    except ConfigError as e:
+        field = f"{where}.{e.path}" if e.path else where
+        raise ConfigError(f"{field}: {e}", path=field) from e
+    except PluginError:
         raise
     except Exception as e:
-        raise PluginError(f"tier {spec.name!r} (plugin {spec.plugin or '?'!r}) failed to start: "
-                          f"{type(e).__name__}: {e}") from e
+        raise PluginError(f"{where}: tier {spec.name!r} (plugin {spec.plugin or '?'!r}) failed to "
+                          f"start: {type(e).__name__}: {e}") from e
     if not isinstance(tier, Tier):
         raise PluginError(f"tier {spec.name!r} (plugin {spec.plugin or '?'!r}) factory returned "
                           f"{type(tier).__name__}, expected a corekv.tier.Tier subclass")
+    if secret is not None:
+        tier.codec = tier.codec.with_secret(secret)
     return tier

@@ -4,6 +4,7 @@ import uuid
 
 import pytest
 
+from corekv.block_format import HEADER_SIZE
 from corekv.plugin import make_plugin_manager
 from corekv.testing.tier import TierTests, block_payload, make_keys
 from corekv.tier import make_tier
@@ -14,7 +15,7 @@ FINGERPRINT = TierTests.fingerprint
 
 class TestFsspecTierOnLocalDisk(TierTests):
     def make_tier(self, tmp_path, block_bytes):
-        return FsspecTier(url=f"file://{tmp_path}/kv", size=64 * (block_bytes + 72),
+        return FsspecTier(url=f"file://{tmp_path}/kv", size=64 * (block_bytes + HEADER_SIZE),
                           block_bytes=block_bytes, fingerprint=self.fingerprint)
 
 
@@ -29,7 +30,7 @@ def test_objects_are_laid_out_by_model_and_hash_prefix(tmp_path):
     with FsspecTier(url=f"file://{tmp_path}", block_bytes=4096, fingerprint=FINGERPRINT) as tier:
         tier.put_one(key, block_payload(key, 4096))
         path = tmp_path / tier.fp12 / key.hex()[:2] / key.hex()
-        assert path.stat().st_size == 4096 + 72
+        assert path.stat().st_size == 4096 + HEADER_SIZE
         assert [p.name for p in path.parent.iterdir()] == [key.hex()], "a temporary file was left"
 
 
@@ -39,7 +40,7 @@ def test_a_leftover_temporary_file_is_never_read_as_an_entry(tmp_path):
     with FsspecTier(url=f"file://{tmp_path}", block_bytes=4096, fingerprint=FINGERPRINT) as tier:
         folder = tmp_path / tier.fp12 / key.hex()[:2]
         folder.mkdir(parents=True)
-        (folder / f"{key.hex()}.tmp-deadbeef").write_bytes(tier.codec.encode(block_payload(key, 4096))[:100])
+        (folder / f"{key.hex()}.tmp-deadbeef").write_bytes(tier.codec.encode(key, block_payload(key, 4096))[:100])
         assert tier.get_one(key) is None and tier.exists([key]) == 0
         assert tier.num_entries == 0 and list(tier.keys()) == []
 
@@ -55,7 +56,7 @@ def test_entries_survive_a_restart_and_other_models_are_not_listed(tmp_path):
 
 
 def test_size_cap_evicts_oldest_including_objects_found_at_open(tmp_path):
-    entry = 4096 + 72
+    entry = 4096 + HEADER_SIZE
     old = make_keys(4, salt="old")
     with FsspecTier(url=str(tmp_path), block_bytes=4096, fingerprint=FINGERPRINT) as tier:
         tier.put([(k, block_payload(k, 4096)) for k in old])

@@ -2,6 +2,7 @@
 import pytest
 import torch
 
+from corekv.block_format import HEADER_SIZE
 from corekv.plugin import make_plugin_manager
 from corekv.testing.tier import TierTests, block_payload, make_keys
 from corekv.tier import make_tier
@@ -10,22 +11,22 @@ from corekv.tiers.host import HostTier
 
 class TestHostTier(TierTests):
     def make_tier(self, tmp_path, block_bytes):
-        return HostTier(size=self.min_capacity_blocks * (block_bytes + 72), block_bytes=block_bytes,
+        return HostTier(size=self.min_capacity_blocks * (block_bytes + HEADER_SIZE), block_bytes=block_bytes,
                         fingerprint=self.fingerprint)
 
 
 def small_host(num_slots, block_bytes=256):
-    return HostTier(size=num_slots * (block_bytes + 72), block_bytes=block_bytes, fingerprint=b"m")
+    return HostTier(size=num_slots * (block_bytes + HEADER_SIZE), block_bytes=block_bytes, fingerprint=b"m")
 
 
 def test_the_arena_is_allocated_once_and_pinned_only_with_cuda():
     tier = small_host(4)
-    assert tier.arena.shape == (4, 256 + 72) and tier.arena.dtype == torch.uint8
+    assert tier.arena.shape == (4, 256 + HEADER_SIZE) and tier.arena.dtype == torch.uint8
     assert tier.is_pinned == torch.cuda.is_available()
     arena_ptr = tier.arena.data_ptr()
     keys = make_keys(10)
     tier.put([(k, block_payload(k, 256)) for k in keys])
-    assert tier.arena.data_ptr() == arena_ptr and tier.capacity_bytes == 4 * (256 + 72)
+    assert tier.arena.data_ptr() == arena_ptr and tier.capacity_bytes == 4 * (256 + HEADER_SIZE)
 
 
 def test_lru_evicts_the_least_recently_used_block():
@@ -48,7 +49,7 @@ def test_a_payload_read_stays_valid_after_its_slot_is_reused():
 
 
 def test_size_below_one_block_names_the_option():
-    with pytest.raises(ValueError, match=r"size must be at least one block entry \(328 bytes\), got 100"):
+    with pytest.raises(ValueError, match=rf"size must be at least one block entry \({256 + HEADER_SIZE} bytes\), got 100"):
         HostTier(size=100, block_bytes=256, fingerprint=b"m")
 
 
@@ -56,5 +57,5 @@ def test_registered_as_a_plugin_and_built_by_make_tier():
     spec = make_plugin_manager().tiers()["host"]
     tier = make_tier(spec, {"size": 10_000}, block_bytes=64, fingerprint=b"m", dtype="float32",
                      shape=(16,))
-    assert isinstance(tier, HostTier) and tier.num_slots == 10_000 // (64 + 72)
+    assert isinstance(tier, HostTier) and tier.num_slots == 10_000 // (64 + HEADER_SIZE)
     assert spec.plugin == "host"

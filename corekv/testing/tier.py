@@ -20,9 +20,13 @@ import threading
 import numpy as np
 import pytest
 
-from corekv.block_format import EntryCodec
+from corekv.block_format import HEADER_SIZE, EntryCodec
 from corekv.hashing import block_hashes, chain_seed
 from corekv.tier import Tier
+
+
+#: the integrity secret of the keyed-tier tests (any 16-64 bytes)
+SECRET = b"corekv-testing-integrity-secret!"
 
 
 def block_payload(key: bytes, block_bytes: int) -> bytes:
@@ -87,7 +91,7 @@ class TierTests:
 
     def test_get_into_rejects_a_bad_entry_without_touching_the_buffer(self, tier):
         key = make_keys(1)[0]
-        entry = bytearray(tier.codec.encode(block_payload(key, self.block_bytes)))
+        entry = bytearray(tier.codec.encode(key, block_payload(key, self.block_bytes)))
         entry[-1] ^= 1
         replace_raw(tier, key, bytes(entry))
         out = np.zeros((1, self.block_bytes), dtype=np.uint8)
@@ -99,7 +103,7 @@ class TierTests:
         corrupt entry in the middle is still a miss with its buffer untouched."""
         keys = make_keys(4)
         tier.put([(k, block_payload(k, self.block_bytes)) for k in keys])
-        entry = bytearray(tier.codec.encode(block_payload(keys[1], self.block_bytes)))
+        entry = bytearray(tier.codec.encode(keys[1], block_payload(keys[1], self.block_bytes)))
         entry[len(entry) // 2] ^= 1
         replace_raw(tier, keys[1], bytes(entry))
         out = np.zeros((4, self.block_bytes), dtype=np.uint8)
@@ -169,18 +173,18 @@ class TierTests:
     @pytest.mark.parametrize("where", ["magic", "header", "payload_start", "payload_end"])
     def test_a_flipped_byte_is_a_counted_miss_and_the_entry_is_removed(self, tier, where):
         key = make_keys(1)[0]
-        entry = bytearray(tier.codec.encode(block_payload(key, self.block_bytes)))
-        offset = {"magic": 0, "header": 30, "payload_start": 72, "payload_end": len(entry) - 1}[where]
+        entry = bytearray(tier.codec.encode(key, block_payload(key, self.block_bytes)))
+        offset = {"magic": 0, "header": 30, "payload_start": HEADER_SIZE, "payload_end": len(entry) - 1}[where]
         entry[offset] ^= 0x40
         replace_raw(tier, key, bytes(entry))
         assert tier.get([key]) == [None]
         assert tier.stats()["faults"] == 1
         assert tier.exists([key]) == 0
 
-    @pytest.mark.parametrize("length", [0, 10, 72, 73, 4000])
+    @pytest.mark.parametrize("length", [0, 10, HEADER_SIZE, HEADER_SIZE + 1, 4000])
     def test_a_truncated_entry_is_a_counted_miss_and_removed(self, tier, length):
         key = make_keys(1)[0]
-        entry = tier.codec.encode(block_payload(key, self.block_bytes))
+        entry = tier.codec.encode(key, block_payload(key, self.block_bytes))
         replace_raw(tier, key, entry[:length])
         assert tier.get_one(key) is None
         assert tier.stats()["faults"] == 1
@@ -197,10 +201,82 @@ class TierTests:
                  "two-rows": (2, self.block_bytes // 2)}[foreign["shape"]]
         codec = EntryCodec(fingerprint=foreign["fingerprint"] or self.fingerprint,
                            dtype=foreign["dtype"], shape=shape)
-        replace_raw(tier, key, codec.encode(block_payload(key, self.block_bytes)))
+        replace_raw(tier, key, codec.encode(key, block_payload(key, self.block_bytes)))
         assert tier.get_one(key) is None
         assert tier.stats()["faults"] == 1
         assert tier.exists([key]) == 0
+
+    # ------------------------------------------------------------------ entries bound to keys
+    def test_two_swapped_entries_are_both_misses(self, tier):
+        """An entry is KV only for the key it was written under: swapping two stored values (a
+        store edited by hand, a buggy copy tool, an attacker) must not serve either."""
+        keys = make_keys(2, salt="swap")
+        tier.put([(k, block_payload(k, self.block_bytes)) for k in keys])
+        first, second = (bytes(e) for e in tier._read_entries(keys))
+        replace_raw(tier, keys[0], second)
+        replace_raw(tier, keys[1], first)
+        assert tier.get(keys) == [None, None]
+        assert tier.stats()["faults"] == 2 and tier.exists(keys[:1]) == 0 and tier.exists(keys[1:]) == 0
+
+    def test_entries_rotated_to_the_next_key_are_all_misses(self, tier):
+        keys = make_keys(5, salt="rotate")
+        tier.put([(k, block_payload(k, self.block_bytes)) for k in keys])
+        entries = [bytes(e) for e in tier._read_entries(keys)]
+        for key, entry in zip(keys, entries[-1:] + entries[:-1]):
+            replace_raw(tier, key, entry)
+        out = np.zeros((5, self.block_bytes), dtype=np.uint8)
+        assert tier.get_into(keys, list(out)) == [False] * 5
+        assert not out.any() and tier.stats()["faults"] == 5
+
+    def test_a_payload_zeroed_under_a_recomputed_keyless_checksum_is_a_miss(self, tier):
+        """The forgery that passed format 1: zero the KV and recompute the checksum over header
+        and payload alone. The tag also covers the key, so the forged entry fails."""
+        import xxhash
+
+        key = make_keys(1, salt="forge")[0]
+        tier.put_one(key, block_payload(key, self.block_bytes))
+        entry = bytearray(tier._read_entries([key])[0])
+        entry[HEADER_SIZE:] = bytes(self.block_bytes)
+        entry[HEADER_SIZE - 16:HEADER_SIZE] = xxhash.xxh3_128_digest(
+            bytes(entry[:HEADER_SIZE - 16]) + bytes(entry[HEADER_SIZE:]))
+        replace_raw(tier, key, bytes(entry))
+        assert tier.get_one(key) is None and tier.stats()["faults"] == 1
+
+    def test_an_entry_of_an_older_format_version_is_a_miss(self, tier):
+        key = make_keys(1, salt="old-format")[0]
+        entry = bytearray(tier.codec.encode(key, block_payload(key, self.block_bytes)))
+        entry[4:6] = (1).to_bytes(2, "little")
+        replace_raw(tier, key, bytes(entry))
+        assert tier.get_one(key) is None and tier.stats()["faults"] == 1
+
+    # ------------------------------------------------------------------ keyed integrity (MAC)
+    @pytest.fixture
+    def keyed_tier(self, tier):
+        """The fixture's tier with a secret, the way :func:`corekv.tier.make_tier` gives one."""
+        tier.codec = tier.codec.with_secret(SECRET)
+        return tier
+
+    def test_a_keyed_tier_round_trips_its_own_entries(self, keyed_tier):
+        keys = make_keys(3, salt="mac")
+        assert keyed_tier.put([(k, block_payload(k, self.block_bytes)) for k in keys]) == 3
+        assert [bytes(p) for p in keyed_tier.get(keys)] == [block_payload(k, self.block_bytes) for k in keys]
+
+    @pytest.mark.parametrize("forger", ["no secret", "another secret"])
+    def test_a_keyed_tier_rejects_entries_forged_without_its_secret(self, keyed_tier, forger):
+        """Someone who can write the store and knows the format, but not the secret, computes a
+        valid keyed checksum (or a MAC under a guessed secret): a miss, never KV."""
+        key = make_keys(1, salt="forged")[0]
+        codec = keyed_tier.codec.with_secret(None if forger == "no secret" else b"a guess at the secret")
+        replace_raw(keyed_tier, key, codec.encode(key, bytes(self.block_bytes)))
+        assert keyed_tier.get_one(key) is None
+        assert keyed_tier.stats()["faults"] == 1 and keyed_tier.exists([key]) == 0
+
+    def test_a_keyed_tier_rejects_its_own_entry_moved_to_another_key(self, keyed_tier):
+        keys = make_keys(2, salt="mac-move")
+        keyed_tier.put_one(keys[0], block_payload(keys[0], self.block_bytes))
+        replace_raw(keyed_tier, keys[1], bytes(keyed_tier._read_entries(keys[:1])[0]))
+        assert keyed_tier.get_one(keys[1]) is None and keyed_tier.stats()["faults"] == 1
+        assert bytes(keyed_tier.get_one(keys[0])) == block_payload(keys[0], self.block_bytes)
 
     def test_faults_are_logged_once_per_reason(self, tier, caplog):
         keys = make_keys(3)
