@@ -78,6 +78,45 @@ class TierConfig:
     name: str = _field(help="a unique name for this tier in stats and events; defaults to type")
     options: Mapping[str, Any] = _field(help="every other key: the options the tier type declares",
                                         factory=dict)
+    required: bool = _field(False, "an engine refuses to start when this tier cannot (false: it "
+                            "starts without the tier, logs why once and counts it in stats)")
+
+
+@dataclass(frozen=True)
+class IntegrityConfig:
+    """``cache.integrity``: a secret that turns every tier entry's checksum into a keyed MAC."""
+
+    key_env: str | None = _field(None, "the environment variable that holds the secret (16-64 "
+                                 "bytes; an even number of hex digits is decoded); set, every "
+                                 "entry carries a keyed BLAKE2b MAC over its key, header and KV, "
+                                 "and an entry without a valid one is a miss: turn it on for "
+                                 "tiers others can write to (redis, fsspec, shared disks)",
+                                 pattern=r"[A-Za-z_][A-Za-z0-9_]*",
+                                 pattern_text="an environment variable name such as COREKV_TIER_KEY")
+
+    def secret(self, env: Mapping[str, str] | None = None) -> bytes | None:
+        """The secret named by ``key_env`` (``None`` when unset); raises :class:`ConfigError`
+        when the variable is missing or the secret is too short or too long."""
+        from corekv.block_format import check_secret
+        from corekv.errors import ConfigError
+
+        if self.key_env is None:
+            return None
+        value = (os.environ if env is None else env).get(self.key_env, "")
+        if not value:
+            raise ConfigError(f"cache.integrity.key_env: the environment variable {self.key_env} "
+                              "is not set or empty; export it with the tier secret (e.g. "
+                              f"`export {self.key_env}=$(openssl rand -hex 32)`) in every process "
+                              "that shares the tiers", path="cache.integrity.key_env")
+        try:
+            secret = bytes.fromhex(value) if len(value) % 2 == 0 else value.encode()
+        except ValueError:
+            secret = value.encode()
+        try:
+            return check_secret(secret)
+        except ValueError as e:
+            raise ConfigError(f"cache.integrity.key_env: ${self.key_env}: {e}",
+                              path="cache.integrity.key_env") from e
 
 
 @dataclass(frozen=True)
@@ -103,6 +142,8 @@ class CacheConfig:
                                          "size; 0 turns prefetch off)", minimum=0)
     pinned: tuple[PinnedPrefix, ...] = _field((), "prefixes warmed and pinned when an engine starts")
     tiers: tuple[TierConfig, ...] = _field((), "storage tiers below the device pool, searched in order")
+    integrity: IntegrityConfig = _field(help="keyed integrity of tier entries",
+                                        factory=IntegrityConfig)
 
 
 _ZMQ_ADDRESS = dict(pattern=r"(tcp|ipc|inproc)://\S+",
@@ -215,7 +256,7 @@ def dump_config(cfg: Config, *, plugin_manager: Any = None) -> dict[str, Any]:
     def dump(obj: Any) -> Any:
         if isinstance(obj, TierConfig):
             entry = {"type": obj.type} | ({} if obj.name == obj.type else {"name": obj.name})
-            return entry | options(obj.options, tiers.get(obj.type))
+            return entry | ({"required": True} if obj.required else {}) | options(obj.options, tiers.get(obj.type))
         if isinstance(obj, PinnedPrefix):
             return {k: v for k, v in _dump_fields(obj, dump).items() if v is not None}
         if isinstance(obj, CacheConfig):

@@ -143,10 +143,12 @@ class ConfigReader:
         self.check_plugin_name(tier_type, specs, _join(path, "type"), "tier type")
         name = self.value(raw.get("name", tier_type), TierConfig, _field(TierConfig, "name"),
                           _join(path, "name"))
-        rest = {k: v for k, v in raw.items() if k not in ("type", "name")}
+        required = self.value(raw.get("required", False), TierConfig, _field(TierConfig, "required"),
+                              _join(path, "required"))
+        rest = {k: v for k, v in raw.items() if k not in ("type", "name", "required")}
         options = self.options(rest, specs[tier_type].options, path, f" for tier {tier_type!r}",
-                               extra_keys=("type", "name"))
-        return TierConfig(type=tier_type, name=name, options=options)
+                               extra_keys=("type", "name", "required"))
+        return TierConfig(type=tier_type, name=name, options=options, required=required)
 
     # -- values ----------------------------------------------------------------------------------
     def value(self, raw: Any, cls: type, f: Field, path: str) -> Any:

@@ -73,8 +73,8 @@ class Engine(EngineAPI):
         self.kv_pool = KVPool(m.num_layers, num_blocks, ecfg.block_size, m.num_kv_heads, m.head_dim,
                               m.dtype, m.device)
         self.backend = self._make_backend(num_blocks)
-        self.cache_manager = make_cache_manager(config.cache, self.plugin_manager, self.model,
-                                                self.kv_pool, self.backend)
+        self.cache_manager, self.failed_tiers = make_cache_manager(
+            config.cache, self.plugin_manager, self.model, self.kv_pool, self.backend)
         try:
             self.runner = ModelRunner(m, self.kv_pool, compile=ecfg.compile)
         except NativeBuildError as exc:
@@ -93,7 +93,14 @@ class Engine(EngineAPI):
         self.enable_chunked_prefill = bool(getattr(ecfg, "enable_chunked_prefill", True))
         swap_tier = None
         if ecfg.preemption == "swap":
-            swap_tier = next(i for i, t in enumerate(config.cache.tiers) if t.type == "host")
+            host_names = {t.name for t in config.cache.tiers if t.type == "host"}
+            swap_tier = next((i for i, t in enumerate(self.cache_manager.tiers if self.cache_manager else ())
+                              if t.name in host_names), None)
+            if swap_tier is None:
+                if self.cache_manager is not None:
+                    self.cache_manager.close()
+                raise ConfigError(f"engine.preemption: 'swap' needs a host tier, and none started "
+                                  f"({self.failed_tiers}); fix the tier or use preemption: recompute")
         self.blocks = BlockManager(self.backend, self.kv_pool,
                                    enable_prefix_caching=ecfg.enable_prefix_caching,
                                    cache_manager=self.cache_manager, swap_tier=swap_tier)
@@ -237,6 +244,7 @@ class Engine(EngineAPI):
             "num_swapped_in_blocks": self.blocks.num_swapped_in_blocks,
             "backend": backend.stats(),
             "tiers": self.cache_manager.stats() if self.cache_manager is not None else {},
+            "tiers_not_started": dict(self.failed_tiers),
             "prefetch": self.cache_manager.prefetch_stats() if self.cache_manager is not None else {},
         }
 

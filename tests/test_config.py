@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 import corekv
 from corekv.config import (
-    CacheConfig, Config, EngineConfig, KVEventsConfig, PinnedPrefix, TierConfig, config_reference, dump_config,
+    CacheConfig, Config, EngineConfig, IntegrityConfig, KVEventsConfig, PinnedPrefix, TierConfig, config_reference, dump_config,
     load_config,
 )
 from corekv.config_values import format_size, parse_size
@@ -110,7 +110,7 @@ MESSAGES = [
      "cache.backend_options.page_size: got 0; expected an integer >= 1"),
     ({"cache": {**TOY, "tiers": [{"type": "toy_host", "sise": "2GiB"}]}},
      "cache.tiers[0].sise: unknown key for tier 'toy_host' (value '2GiB'); did you mean 'size'? "
-     "Valid keys: type, name, size"),
+     "Valid keys: type, name, required, size"),
     ({"cache": {**TOY, "tiers": [{"type": "toy_host"}, {"type": "toy_disk", "path": "kv", "size": "20 gigs"}]}},
      "cache.tiers[1].size: got '20 gigs'; expected a non-zero size such as 512MiB, 20GiB, 1.5GB or "
      "a whole number of bytes"),
@@ -418,9 +418,9 @@ def test_reference_has_a_row_per_field_with_help_and_defaults(pm):
     assert text.startswith("| Field | Accepts | Default | Description |\n|---|---|---|---|\n")
 
     def paths(cls, prefix=""):
-        sections = ("engine", "cache", "kv_events")
+        sections = ("engine", "cache", "kv_events", "integrity")
         nested = {"engine": EngineConfig, "cache": CacheConfig, "kv_events": KVEventsConfig,
-                  "pinned": PinnedPrefix, "tiers": TierConfig}
+                  "pinned": PinnedPrefix, "tiers": TierConfig, "integrity": IntegrityConfig}
         for f in dataclasses.fields(cls):
             sub = nested.get(f.name)
             if f.name not in sections:
