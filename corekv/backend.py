@@ -43,7 +43,8 @@ class BlockEvent:
     * ``"stored"``: ``block_hashes`` became hittable. They are one contiguous run of one hash
       chain: ``parent_block_hash`` is the hash of the block just before the run (``None`` when the
       run starts the chain), ``token_ids`` the run's tokens, ``block_size`` per block (builtin
-      backends fill all three; ``None`` / ``()`` from a backend that does not know them).
+      backends fill all three; ``None`` / ``()`` from a backend that does not know them), and
+      ``cache_salt`` the tenant salt of the chain (``None``: no salt, or not known).
     * ``"removed"``: ``block_hashes`` left the cache. ``is_cleared`` marks a reset of the whole
       cache (:meth:`PrefixCacheBackend.reset`): ``block_hashes`` then lists every block that was
       cached, possibly none, and KV-event publishers send ``AllBlocksCleared``.
@@ -55,6 +56,7 @@ class BlockEvent:
     token_ids: tuple[int, ...] = ()
     block_size: int | None = None
     is_cleared: bool = False
+    cache_salt: str | None = None
 
 
 def stored_event(key: PrefixKey, start: int, stop: int) -> BlockEvent:
@@ -62,7 +64,7 @@ def stored_event(key: PrefixKey, start: int, stop: int) -> BlockEvent:
     bs = key.block_size
     hashes = key.block_hashes
     return BlockEvent("stored", tuple(hashes[start:stop]), hashes[start - 1] if start else None,
-                      tuple(key.token_ids[start * bs:stop * bs]), bs)
+                      tuple(key.token_ids[start * bs:stop * bs]), bs, cache_salt=key.cache_salt)
 
 
 EvictCallback = Callable[[list[EvictedBlock]], None]

@@ -117,13 +117,15 @@ class PrefixKey:
     (radix style); tiers store by ``block_hashes``. ``namespace`` is the chain seed, so two
     requests share cache entries only when model, block size, salt and extra keys all agree.
     Hashes are computed lazily on first access of ``block_hashes`` (a radix index that never
-    reads them never pays for them) and incrementally as ``token_ids`` grows.
+    reads them never pays for them) and incrementally as ``token_ids`` grows. ``cache_salt`` is
+    the tenant salt ``namespace`` was made from (``None``: no salt), carried so that block events
+    can say which tenant a chain belongs to; nothing indexes by it (the namespace already does).
     """
 
-    __slots__ = ("token_ids", "block_size", "namespace", "algorithm", "_hashes")
+    __slots__ = ("token_ids", "block_size", "namespace", "algorithm", "cache_salt", "_hashes")
 
     def __init__(self, token_ids: Sequence[int], block_size: int, namespace: BlockHash,
-                 algorithm: str = "xxh3_128"):
+                 algorithm: str = "xxh3_128", *, cache_salt: str | None = None):
         if block_size.__class__ is not int or block_size < 1:
             raise ValueError(f"block_size must be an int >= 1, got {block_size!r}")
         if namespace.__class__ is not bytes:
@@ -131,10 +133,13 @@ class PrefixKey:
                             f"{type(namespace).__name__}; build it with chain_seed()")
         if algorithm not in _DIGESTS:
             raise ValueError(f"algorithm must be one of {HASH_ALGORITHMS}, got {algorithm!r}")
+        if cache_salt is not None and cache_salt.__class__ is not str:
+            raise TypeError(f"cache_salt must be a str or None, got {type(cache_salt).__name__}")
         self.token_ids = list(token_ids)
         self.block_size = block_size
         self.namespace = namespace
         self.algorithm = algorithm
+        self.cache_salt = cache_salt or None
         self._hashes: list[BlockHash] = []
 
     def __repr__(self) -> str:
