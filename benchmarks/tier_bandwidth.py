@@ -7,9 +7,11 @@ in most tiers and would flatter them). ``get`` includes header and checksum vali
 copy into a preallocated pool buffer; ``get_into`` validates and copies straight from the tier's
 storage into that buffer (what a reload costs before the host-to-device copy). memcpy rows show
 the copy alone, in the get_into column. The "breakdown" rows split a host reload into its parts,
-on the same bytes: the xxh3-64 checksum alone, a per-block numpy copy alone, a per-block copy
-through a memoryview (what ``Tier.get_into`` did before), and the staging-to-pool copy a
-prefetched reload makes at admission (one ``index_copy_`` of all rows into a pool tensor).
+on the same bytes: the entry's tag alone (the key-bound xxh3-128 checksum, and the keyed BLAKE2b
+MAC that ``cache.integrity`` turns on), a per-block numpy copy alone, a per-block copy through a
+memoryview, and the staging-to-pool copy a prefetched reload makes at admission (one
+``index_copy_`` of all rows into a pool tensor). Rows marked "MAC" run the same tier with an
+integrity secret, so their ratio to the plain row is the MAC's cost on that tier.
 
     python benchmarks/tier_bandwidth.py [--blocks 32] [--batch 8] [--repeats 5] [--markdown]
 """
@@ -29,6 +31,7 @@ import uuid
 import numpy as np
 import torch
 
+from corekv.block_format import HEADER_SIZE
 from corekv.hashing import block_hashes, chain_seed
 from corekv.tiers.fsspec import FsspecTier
 from corekv.tiers.host import HostTier
@@ -37,6 +40,18 @@ from corekv.tiers.lmdb import LMDBTier
 SHAPE = (30, 2, 3, 16, 64)  # layers, K/V, kv heads, block tokens, head_dim
 BLOCK_BYTES = int(np.prod(SHAPE)) * 4
 FINGERPRINT = b"bench-smollm2-135m-float32"
+SECRET = b"bench-integrity-secret-of-32-byt"
+
+
+def cpu_description() -> str:
+    """Vendor, model and the vector ISA torch dispatches to (AVX2, AVX512): benchmarks name the CPU."""
+    model = "unknown CPU"
+    try:
+        with open("/proc/cpuinfo") as f:
+            model = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), model)
+    except OSError:
+        pass
+    return f"{model}, torch ISA {torch.backends.cpu.get_cpu_capability()}, {os.cpu_count()} CPUs"
 
 
 def median_seconds(fn, repeats: int) -> float:
@@ -59,6 +74,8 @@ def memcpy_rates(num_bytes: int, repeats: int) -> dict[str, float]:
 
 def breakdown_rates(num_blocks: int, repeats: int) -> dict[str, float]:
     """Bytes/s of each part of a host reload of ``num_blocks`` blocks (see the module docstring)."""
+    import hashlib
+
     import xxhash
 
     rng = np.random.default_rng(2)
@@ -72,7 +89,11 @@ def breakdown_rates(num_blocks: int, repeats: int) -> dict[str, float]:
 
     def checksum(_):
         for row in src:
-            xxhash.xxh3_64_intdigest(row)
+            xxhash.xxh3_128_digest(row)
+
+    def mac(_):
+        for row in src:
+            hashlib.blake2b(row, key=SECRET, digest_size=16).digest()
 
     def copy_numpy(_):
         for i in range(num_blocks):
@@ -85,7 +106,8 @@ def breakdown_rates(num_blocks: int, repeats: int) -> dict[str, float]:
     total = num_blocks * BLOCK_BYTES
     for part in (copy_numpy, lambda _: pool.index_copy_(0, index, staged)):
         part(None)  # first touch
-    return {"breakdown: xxh3-64 checksum": total / median_seconds(checksum, repeats),
+    return {"breakdown: xxh3-128 checksum": total / median_seconds(checksum, repeats),
+            "breakdown: keyed BLAKE2b MAC": total / median_seconds(mac, repeats),
             "breakdown: numpy copy per block": total / median_seconds(copy_numpy, repeats),
             "breakdown: memoryview copy per block": total / median_seconds(copy_memoryview, repeats),
             "breakdown: staging -> pool index_copy_": total / median_seconds(
@@ -160,7 +182,7 @@ def main(argv=None) -> None:
     rows += [(name, None, None, rate) for name, rate in breakdown_rates(args.blocks, args.repeats).items()]
     workdir = tempfile.mkdtemp(prefix="corekv-bench-")
     redis_proc, redis_url = start_redis(workdir)
-    entry = BLOCK_BYTES + 72
+    entry = BLOCK_BYTES + HEADER_SIZE
     factories = {
         "host": lambda: HostTier(size=(args.blocks + 8) * entry, **kw),  # evicts: steady state
         "lmdb (sync=True)": lambda: LMDBTier(path=f"{workdir}/lmdb-sync", size=4 * args.blocks * args.repeats * entry, **kw),
@@ -174,8 +196,16 @@ def main(argv=None) -> None:
         factories["redis (loopback)"] = lambda: RedisTier(url=redis_url, **kw)
     try:
         for name, factory in factories.items():
-            with factory() as tier:
-                rows.append((name, *measure(tier, args)))
+            for keyed in (False, True):
+                if keyed and name.startswith(("lmdb (sync=True)", "fsspec memory")):
+                    continue  # the MAC's cost shows on the other rows; these only repeat it
+                if name.startswith("lmdb"):
+                    shutil.rmtree(f"{workdir}/lmdb-sync", ignore_errors=True)
+                    shutil.rmtree(f"{workdir}/lmdb-nosync", ignore_errors=True)
+                with factory() as tier:
+                    if keyed:
+                        tier.codec = tier.codec.with_secret(SECRET)
+                    rows.append((name + (" MAC" if keyed else ""), *measure(tier, args)))
     finally:
         if redis_proc is not None:
             redis_proc.kill()
@@ -185,6 +215,7 @@ def main(argv=None) -> None:
         from redis.utils import HIREDIS_AVAILABLE
     except ImportError:
         HIREDIS_AVAILABLE = False
+    print(f"CPU: {cpu_description()}")
     print(f"{args.blocks} blocks x {BLOCK_BYTES} bytes per run, batches of {args.batch}, "
           f"median of {args.repeats}; torch {torch.__version__}, Python {sys.version.split()[0]}, "
           f"hiredis {'yes' if HIREDIS_AVAILABLE else 'no'}; load average {os.getloadavg()}")
