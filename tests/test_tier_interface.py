@@ -33,8 +33,19 @@ def test_unknown_and_missing_options_are_config_errors():
 
 
 def test_a_failing_factory_is_a_plugin_error_naming_the_plugin():
-    with pytest.raises(PluginError, match="tier 'host' \\(plugin 'host'\\) failed to start: ValueError: size"):
-        make_tier(HOST_SPEC, {"size": 1}, block_bytes=64, fingerprint=b"m")
+    def factory(**kwargs):
+        raise OSError("the device is gone")
+
+    spec = TierSpec(name="flaky", factory=factory, plugin="thirdparty")
+    with pytest.raises(PluginError, match=r"^cache\.tiers\[2\]: tier 'flaky' \(plugin 'thirdparty'\) "
+                                          "failed to start: OSError: the device is gone"):
+        make_tier(spec, {}, block_bytes=64, fingerprint=b"m", where="cache.tiers[2]")
+
+
+def test_an_option_a_factory_rejects_is_a_config_error_naming_its_field():
+    with pytest.raises(ConfigError, match=r"^cache\.tiers\[1\]\.size: size must be at least one block") as info:
+        make_tier(HOST_SPEC, {"size": 1}, block_bytes=64, fingerprint=b"m", where="cache.tiers[1]")
+    assert info.value.path == "cache.tiers[1].size"
 
 
 def test_a_factory_must_return_a_tier():

@@ -10,6 +10,7 @@ from typing import Any
 import fsspec
 from fsspec.implementations.local import LocalFileSystem
 
+from corekv.errors import ConfigError
 from corekv.plugin import Option, TierSpec, hookimpl
 from corekv.tier import BlockHash, Tier
 
@@ -37,15 +38,15 @@ class FsspecTier(Tier):
         super().__init__(block_bytes=block_bytes, fingerprint=fingerprint, dtype=dtype, shape=shape,
                          name=name or "fsspec")
         if not isinstance(url, str) or not url:
-            raise ValueError(f"url must be an fsspec URL string, got {url!r}; e.g. file:///data/kv "
-                             "or s3://bucket/prefix")
+            raise ConfigError(f"url must be an fsspec URL string, got {url!r}; e.g. file:///data/kv "
+                              "or s3://bucket/prefix", path="url")
         if not isinstance(size, int) or size < 0:
-            raise ValueError(f"size must be a byte count >= 0 (0: no cap), got {size!r}")
+            raise ConfigError(f"size must be a byte count >= 0 (0: no cap), got {size!r}", path="size")
         try:
             self.fs, root = fsspec.core.url_to_fs(url, **(storage_options or {}))
         except (ImportError, ValueError) as e:
-            raise ValueError(f"url {url!r} cannot be opened by fsspec ({e}); install the "
-                             "filesystem's package (e.g. s3fs for s3://) or fix the URL") from e
+            raise ConfigError(f"url {url!r} cannot be opened by fsspec ({e}); install the "
+                              "filesystem's package (e.g. s3fs for s3://) or fix the URL", path="url") from e
         self.url, self.root, self.size = url, root.rstrip("/"), size
         self._is_local = isinstance(self.fs, LocalFileSystem)
         #: path -> object bytes, oldest first (kept only with a size cap)

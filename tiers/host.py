@@ -7,6 +7,7 @@ from collections.abc import Iterator, Sequence
 import numpy as np
 import torch
 
+from corekv.errors import ConfigError
 from corekv.plugin import Option, TierSpec, hookimpl
 from corekv.tier import BlockHash, Tier
 
@@ -28,8 +29,8 @@ class HostTier(Tier):
                          name=name or "host")
         entry_bytes = self.codec.entry_bytes
         if not isinstance(size, int) or size < entry_bytes:
-            raise ValueError(f"size must be at least one block entry ({entry_bytes} bytes), got "
-                             f"{size!r}; raise cache.tiers[].size for the host tier (e.g. 2GiB)")
+            raise ConfigError(f"size must be at least one block entry ({entry_bytes} bytes), got "
+                              f"{size!r}; raise cache.tiers[].size for the host tier (e.g. 2GiB)", path="size")
         self.num_slots = size // entry_bytes
         if pin_memory is None:
             # NOTE: pinned pages make host->device copies async and about twice as fast, but

@@ -10,6 +10,7 @@ import logging
 import time
 from collections.abc import Iterator, Sequence
 
+from corekv.errors import ConfigError
 from corekv.plugin import Option, TierSpec, hookimpl
 from corekv.tier import BlockHash, Tier
 
@@ -48,9 +49,9 @@ class RedisTier(Tier):
         for option, value in (("ttl", ttl), ("retry_interval", retry_interval),
                               ("socket_timeout", socket_timeout)):
             if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
-                raise ValueError(f"{option} must be a number >= 0, got {value!r}")
+                raise ConfigError(f"{option} must be a number >= 0, got {value!r}", path=option)
         if not isinstance(ttl, int):
-            raise ValueError(f"ttl must be whole seconds (0: no expiry), got {ttl!r}")
+            raise ConfigError(f"ttl must be whole seconds (0: no expiry), got {ttl!r}", path="ttl")
         try:
             # NOTE: redis-py's own retries would repeat a dead server's timeout inside every
             # call; the cool-down below replaces them.
@@ -61,8 +62,8 @@ class RedisTier(Tier):
                                                 retry=Retry(NoBackoff(), 0),
                                                 socket_read_size=_SOCKET_READ_SIZE)
         except ValueError as e:
-            raise ValueError(f"url {url!r} is not a Redis URL ({e}); expected "
-                             "redis://[:password@]host:port/db or rediss://... for TLS") from e
+            raise ConfigError(f"url {url!r} is not a Redis URL ({e}); expected "
+                              "redis://[:password@]host:port/db or rediss://... for TLS", path="url") from e
         self._errors = (redis.RedisError, OSError)
         self._prefix = f"corekv:{self.fp12}:"
         self.url_for_logs = url.split("@")[-1]  # never log a password
@@ -71,8 +72,8 @@ class RedisTier(Tier):
         try:
             self._client.ping()
         except redis.AuthenticationError as e:
-            raise ValueError(f"redis at {self.url_for_logs} refused the credentials ({e}); fix the "
-                             "password in the url (redis://:PASSWORD@host:port/db)") from e
+            raise ConfigError(f"redis at {self.url_for_logs} refused the credentials ({e}); fix the "
+                              "password in the url (redis://:PASSWORD@host:port/db)", path="url") from e
         except self._errors as e:
             self._fail("connect", e)
 
