@@ -11,7 +11,6 @@ import sys
 import time
 from pathlib import Path
 
-import httpx
 
 #: the ``corekv`` console script of the interpreter running the tests
 SCRIPT = Path(sys.executable).with_name("corekv")
@@ -66,6 +65,8 @@ class ServeProcess:
         return self.log_path.read_text(errors="replace")
 
     def is_ready(self) -> bool:
+        import httpx  # NOTE: here, so tests of backends and tiers run without the server extra
+
         if self.process.poll() is not None:
             raise AssertionError(f"corekv serve on port {self.port} exited with "
                                  f"{self.process.returncode}; output:\n{self.output()[-3000:]}")

@@ -5,7 +5,6 @@ from collections import OrderedDict
 from collections.abc import Iterator, Sequence
 
 import numpy as np
-import torch
 
 from corekv.errors import ConfigError
 from corekv.plugin import Option, TierSpec, hookimpl
@@ -32,6 +31,8 @@ class HostTier(Tier):
             raise ConfigError(f"size must be at least one block entry ({entry_bytes} bytes), got "
                               f"{size!r}; raise cache.tiers[].size for the host tier (e.g. 2GiB)", path="size")
         self.num_slots = size // entry_bytes
+        import torch  # NOTE: here, not at the top: listing plugins or reading a config imports no torch
+
         if pin_memory is None:
             # NOTE: pinned pages make host->device copies async and about twice as fast, but
             # pinning without CUDA fails, so it follows the accelerator's presence.
