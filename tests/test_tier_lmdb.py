@@ -7,6 +7,7 @@ import textwrap
 
 import pytest
 
+from corekv.errors import ConfigError
 from corekv.plugin import make_plugin_manager
 from corekv.testing.tier import TierTests, block_payload, make_keys
 from corekv.tier import make_tier
@@ -167,13 +168,17 @@ def test_registered_as_a_plugin_with_defaults(tmp_path):
         assert tier.capacity_bytes == 1024**2
 
 
-@pytest.mark.parametrize("kwargs, message", [
-    ({"size": 100}, "size must be at least 4 block entries"),
-    ({"evict_high": 0.5, "evict_low": 0.8}, "0 < evict_low < evict_high <= 1"),
+@pytest.mark.parametrize("kwargs, option, message", [
+    ({"size": 100}, "size", "size must be at least 4 block entries"),
+    ({"evict_high": 0.5, "evict_low": 0.8}, "evict_low", "0 < evict_low < evict_high <= 1"),
+    ({"evict_high": 1.5}, "evict_high", "0 < evict_low < evict_high <= 1"),
+    ({"path": ""}, "path", "path must be a directory path, got ''"),
 ])
-def test_bad_options_name_the_option(tmp_path, kwargs, message):
-    with pytest.raises(ValueError, match=message):
-        open_tier(tmp_path, **{"size": 1024**2, **kwargs})
+def test_bad_options_name_the_option(tmp_path, kwargs, option, message):
+    with pytest.raises(ConfigError, match=message) as caught:
+        LMDBTier(**{"path": str(tmp_path), "size": 1024**2, "block_bytes": 4096,
+                    "fingerprint": FINGERPRINT, **kwargs})
+    assert caught.value.path == option
 
 
 def test_reads_of_a_full_map_never_raise_while_recording_access(tmp_path):
