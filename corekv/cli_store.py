@@ -37,7 +37,8 @@ def add_store_commands(commands, common) -> None:
              "  corekv store ls --limit 10\n  corekv store ls --tier lmdb --json\n"),
             ("verify", "check every entry's header and checksum",
              "Read every entry and check its header and checksum (for entries of any model). "
-             "Exits 1 when bad entries are found.",
+             "Exits 1 when bad entries are found or a store cannot be read at all (such as a "
+             "truncated LMDB data file, which the error names).",
              "  corekv store verify\n  corekv store verify --delete-bad\n"),
             ("clear", "delete entries",
              "Delete the entries of the config's model (its weights are loaded to compute its "

@@ -59,14 +59,20 @@ class StoreView:
 class LMDBView(StoreView):
     def __init__(self, name, type_, options):
         super().__init__(name, type_, options)
-        import lmdb
+        from corekv.errors import CoreKVError
+        from corekv.tiers.lmdb import open_lmdb
 
         path = os.path.realpath(os.fspath(options["path"]))
-        if not os.path.isdir(path):
+        if not os.path.exists(path):
             raise FileNotFoundError(f"tier {name!r}: no LMDB store at {path} (nothing was stored "
                                     "yet, or cache.tiers[].path points elsewhere)")
-        self.env = lmdb.open(path, map_size=options.get("size") or 2**30, max_dbs=2, subdir=True,
-                             lock=True)
+        try:
+            # NOTE: open_lmdb checks the data file before lmdb maps it: reading a page that a
+            # truncated file lacks would kill this process with SIGBUS, reporting nothing.
+            self.env = open_lmdb(path, map_size=options.get("size") or 2**30, max_dbs=2,
+                                 subdir=True, lock=True)
+        except ConfigError as e:  # a damaged store is a run-time failure here (exit code 1)
+            raise CoreKVError(f"tier {name!r}: {e}") from e
         self._blocks = self.env.open_db(b"blocks")
         self._access = self.env.open_db(b"access")
 
