@@ -196,16 +196,21 @@ class Engine(EngineAPI):
 
     def add_request(self, prompt: Any, sampling_params: SamplingParams | None = None,
                     cache_salt: str | None = None, *, request_id: str | None = None,
-                    offload: bool = True) -> str:
+                    offload: bool = True, prompt_token_ids: list[int] | None = None) -> str:
         """Queue one request (``step`` returns its output when done); returns its id.
 
         :param offload: False keeps this request's blocks off the storage tiers (it still reads
             them); e.g. a one-off prompt that should not displace shared prefixes on disk.
+        :param prompt_token_ids: ``prompt`` already encoded by :meth:`encode` (e.g. on another
+            thread, so a long prompt does not hold up the steps); ``prompt`` is kept for the output.
 
         :raises RequestRejectedError: if it could never be served (too long for the KV pool, the
             model's context, or — without chunked prefill — one step's token budget).
         """
-        request = self._make_request(prompt, sampling_params, cache_salt, request_id, offload=offload)
+        if prompt_token_ids is not None:  # NOTE: checked against the vocabulary like any ids
+            prompt_token_ids = self.model.encode_prompt(prompt_token_ids)
+        request = self._make_request(prompt, sampling_params, cache_salt, request_id, offload=offload,
+                                     prompt_token_ids=prompt_token_ids)
         self._enqueue(request, cache_salt)
         return request.request_id
 

@@ -11,17 +11,20 @@ Endpoints::
     POST /admin/warm            {"prompt" | "messages", "cache_salt", "pin"} -> {"cached_tokens"}
     POST /admin/unpin           {"prompt" | "messages", "cache_salt"} -> {"unpinned_tokens"}
     GET  /admin/stats           engine.stats()
-    GET  /admin/info            {"model", "block_size", "kv_events"}
+    GET  /admin/info            {"model", "block_size", "max_prompt_chars", "kv_events"}
 
 Every error is OpenAI's body ``{"error": {"message", "type", "param", "code"}}``: 4xx for what the
-client sent, 5xx only for faults of the server.
+client sent, 5xx only for faults of the server. Two middlewares answer before any route runs:
+with an ``api_key``, a request without it is a 401 (every path but ``/health``,
+:mod:`corekv.server.auth`); a body over ``max_request_bytes`` is a 413
+(:mod:`corekv.server.limits`).
 """
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import json
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -30,8 +33,10 @@ from starlette.exceptions import HTTPException
 
 from corekv.errors import CoreKVError
 from corekv.server.async_engine import AsyncEngine, Delta, EngineStepError, EngineUnavailableError
+from corekv.server.auth import APIKeyGuard, check_api_key
+from corekv.server.limits import DEFAULT_MAX_REQUEST_BYTES, BodyLimit, check_max_request_bytes
 from corekv.server.protocol import (APIError, GenerateRequest, error_body, parse_chat,
-                                    parse_completion, parse_prefix)
+                                    parse_completion, parse_json, parse_prefix)
 from corekv.server.responses import ResponseWriter, SSE_DONE, sse
 
 __all__ = ["build_app", "as_api_error", "kv_events_info"]
@@ -39,18 +44,24 @@ __all__ = ["build_app", "as_api_error", "kv_events_info"]
 DISCONNECT_POLL_S = 0.25  # how often a non-streamed request checks that its client is still there
 
 
-def build_app(engine: Any, *, served_model_name: str | None = None,
-              close_engine: bool = False) -> FastAPI:
+def build_app(engine: Any, *, served_model_name: str | None = None, close_engine: bool = False,
+              api_key: str | None = None, max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
+              ) -> FastAPI:
     """The FastAPI app serving ``engine``; it starts the engine thread on startup and stops it on
     shutdown (closing the engine there when ``close_engine``).
 
     :param served_model_name: the model id clients send and ``/v1/models`` lists (default:
         ``engine.config.model``).
+    :param api_key: when set, every path but ``/health`` needs ``Authorization: Bearer <api_key>``.
+    :param max_request_bytes: larger request bodies are answered 413 before they are read.
     """
     if served_model_name is not None and (not isinstance(served_model_name, str)
                                           or not served_model_name.strip()):
         raise ValueError(f"served_model_name must be a non-empty string or None, got "
                          f"{served_model_name!r}; pass the model id clients will send")
+    if api_key is not None:
+        check_api_key(api_key)
+    check_max_request_bytes(max_request_bytes)  # NOTE: here, not when the first request builds the stack
     model_id = served_model_name or str(engine.config.model)
     runner = AsyncEngine(engine, close_engine=close_engine)
 
@@ -62,6 +73,10 @@ def build_app(engine: Any, *, served_model_name: str | None = None,
 
     app = FastAPI(title="corekv", lifespan=lifespan)
     app.state.async_engine, app.state.model_id = runner, model_id
+    # NOTE: the last added runs first: a client without the key is refused before its body is read
+    app.add_middleware(BodyLimit, max_bytes=max_request_bytes)
+    if api_key is not None:
+        app.add_middleware(APIKeyGuard, api_key=api_key)
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, exc: APIError) -> JSONResponse:
@@ -112,23 +127,25 @@ def build_app(engine: Any, *, served_model_name: str | None = None,
     @app.post("/admin/warm")
     async def warm(request: Request):
         prompt, salt, pin = parse_prefix(await _json(request), with_pin=True)
-        count = await _call(runner, lambda e: e.warm(prompt, pin=pin, cache_salt=salt))
+        ids = await _answer(runner.encode(prompt, add_generation_prompt=False))
+        count = await _answer(runner.call(lambda e: e.warm(ids, pin=pin, cache_salt=salt)))
         return {"cached_tokens": count}
 
     @app.post("/admin/unpin")
     async def unpin(request: Request):
         prompt, salt, _ = parse_prefix(await _json(request), with_pin=False)
-        return {"unpinned_tokens": await _call(runner, lambda e: e.unpin(prompt, cache_salt=salt))}
+        ids = await _answer(runner.encode(prompt, add_generation_prompt=False))
+        return {"unpinned_tokens": await _answer(runner.call(lambda e: e.unpin(ids, cache_salt=salt)))}
 
     @app.get("/admin/stats")
     async def stats():
-        stats = await _call(runner, lambda e: e.stats())
+        stats = await _answer(runner.call(lambda e: e.stats()))
         return JSONResponse(json.loads(json.dumps(stats, default=str)))
 
     @app.get("/admin/info")
     async def info():
         return {"model": model_id, "block_size": engine.block_size,
-                "kv_events": kv_events_info(engine)}
+                "max_prompt_chars": runner.max_prompt_chars, "kv_events": kv_events_info(engine)}
 
     return app
 
@@ -173,17 +190,14 @@ def as_api_error(error: BaseException) -> APIError:
 
 # -- helpers -----------------------------------------------------------------------------------
 async def _json(request: Request) -> Any:
-    body = await request.body()
-    try:
-        return json.loads(body)
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise APIError(f"the request body is not valid JSON ({e}); send a JSON object with "
-                       "Content-Type: application/json") from None
+    # NOTE: on a worker thread: a body near the limit takes a while to parse and check
+    return await asyncio.to_thread(parse_json, await request.body())
 
 
-async def _call(runner: AsyncEngine, fn) -> Any:
+async def _answer(work: Awaitable[Any]) -> Any:
+    """``await work``, its failure as the HTTP error it becomes."""
     try:
-        return await runner.call(fn)
+        return await work
     except Exception as e:
         raise as_api_error(e) from e
 

@@ -6,6 +6,9 @@ it. Handlers on the event loop hand work in through a thread-safe inbox (new req
 calls such as ``warm`` or ``stats``); the engine thread takes everything waiting, then runs one
 ``step()`` for all running requests together (continuous batching), then pushes each request's new
 text and its finish into that request's asyncio queue with ``loop.call_soon_threadsafe``.
+
+Prompts are tokenized before they reach the inbox, on a worker thread (:meth:`AsyncEngine.encode`),
+so a long prompt holds up neither the event loop nor the steps of the requests already running.
 """
 from __future__ import annotations
 
@@ -19,9 +22,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from corekv.engine.outputs import RequestOutput
+from corekv.engine.requests import RequestRejectedError
 from corekv.errors import CoreKVError
 from corekv.engine.sampling import SamplingParams
 from corekv.engine.streaming import TextStream
+from corekv.server.limits import max_prompt_chars, num_prompt_chars
 
 __all__ = ["AsyncEngine", "Delta", "EngineStepError", "EngineUnavailableError", "RequestHandle"]
 
@@ -94,14 +99,18 @@ class _Active:
 class AsyncEngine:
     """Drives one :class:`corekv.Engine` from its own thread for asyncio callers.
 
-    Invariants: only the engine thread calls the engine; every submitted request ends with exactly
-    one final event in its queue (its :class:`RequestOutput` or an exception), including when a
-    step fails or the engine shuts down; requests waiting in the inbox together join the same step.
+    Invariants: only the engine thread calls the engine, except ``engine.encode``, which only
+    reads the tokenizer (neither encoding nor decoding changes it); every submitted request ends with
+    exactly one final event in its queue (its :class:`RequestOutput` or an exception), including
+    when a step fails or the engine shuts down; requests waiting in the inbox together join the
+    same step.
     """
 
     def __init__(self, engine: Any, *, close_engine: bool = False):
         self.engine = engine
         self.close_engine = close_engine
+        #: longer prompts can never fit the engine (see limits.max_prompt_chars); None: no bound
+        self.max_prompt_chars = max_prompt_chars(engine)
         self.dead_reason: str | None = None
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._active: dict[str, _Active] = {}
@@ -125,15 +134,29 @@ class AsyncEngine:
     def is_alive(self) -> bool:
         return self._thread.is_alive() and self.dead_reason is None
 
+    async def encode(self, prompt: Any, *, add_generation_prompt: bool = True) -> list[int]:
+        """``engine.encode(prompt)`` on a worker thread; a prompt with more characters than
+        :attr:`max_prompt_chars` is refused (:class:`RequestRejectedError`) without tokenizing it."""
+        num_chars = num_prompt_chars(prompt)
+        if self.max_prompt_chars is not None and num_chars > self.max_prompt_chars:
+            raise RequestRejectedError(
+                f"a prompt of {num_chars} characters cannot fit: its tokens would exceed the "
+                f"model's context or the KV pool (no prompt over {self.max_prompt_chars} "
+                "characters fits, whatever its text); shorten the prompt")
+        return await asyncio.to_thread(self.engine.encode, prompt,
+                                       add_generation_prompt=add_generation_prompt)
+
     async def submit(self, prompt: Any, params: SamplingParams, cache_salt: str | None = None
                      ) -> RequestHandle:
-        """Admit one request; raises what ``engine.add_request`` raises (a bad prompt, a request
-        that can never fit) before any text is produced, so a caller can still answer 4xx."""
+        """Admit one request; raises what :meth:`encode` and ``engine.add_request`` raise (a bad
+        prompt, a request that can never fit) before any text is produced, so a caller can still
+        answer 4xx."""
+        token_ids = await self.encode(prompt)
         loop = asyncio.get_running_loop()
         events: asyncio.Queue = asyncio.Queue()
         request_id = f"srv-{next(self._ids)}"
         admitted = loop.create_future()
-        self._put(("add", request_id, prompt, params, cache_salt, events, loop, admitted))
+        self._put(("add", request_id, prompt, token_ids, params, cache_salt, events, loop, admitted))
         try:
             await admitted
         except asyncio.CancelledError:  # NOTE: the client left while the request was queued
@@ -178,7 +201,7 @@ class AsyncEngine:
             self._inbox.put(item)
 
     # -- the engine thread ---------------------------------------------------------------------
-    # NOTE: inbox items: ("add", request_id, prompt, params, salt, events, loop, admitted),
+    # NOTE: inbox items: ("add", request_id, prompt, token_ids, params, salt, events, loop, admitted),
     # ("abort", request_id), ("call", fn, loop, done), ("stop",); those answered through a future
     # end with (loop, future), so a shutdown can answer them alike.
     def _run(self) -> None:
@@ -215,9 +238,10 @@ class AsyncEngine:
     def _handle(self, item: tuple) -> None:
         kind = item[0]
         if kind == "add":
-            _, request_id, prompt, params, salt, events, loop, admitted = item
+            _, request_id, prompt, token_ids, params, salt, events, loop, admitted = item
             try:
-                self.engine.add_request(prompt, params, salt, request_id=request_id)
+                self.engine.add_request(prompt, params, salt, request_id=request_id,
+                                        prompt_token_ids=token_ids)
                 active = _Active(self.engine.text_stream(request_id), loop, events)
             except Exception as e:
                 _push(loop, _settle, admitted, None, e)

@@ -1,6 +1,7 @@
 """Request bodies of the OpenAI-compatible API, checked field by field, and OpenAI's error bodies.
 
-Every body is a JSON object checked by hand (no schema library): each rejection is an
+:func:`parse_json` reads a body (UTF-8 JSON, bounded nesting, valid Unicode); every body is then a
+JSON object checked by hand (no schema library): each rejection is an
 :class:`APIError` whose message names the field, the value received, what was expected and the
 fix, and whose ``param`` is the field, as OpenAI's own errors do. Unknown fields are rejected with
 the closest known name (a misspelled ``max_token`` must not silently fall back to the default);
@@ -8,6 +9,8 @@ OpenAI fields this server does not implement are accepted only at their "off" va
 """
 from __future__ import annotations
 
+import json
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -15,8 +18,9 @@ from typing import Any
 from corekv.config_values import describe_value, did_you_mean
 from corekv.engine.sampling import SamplingParams
 
-__all__ = ["APIError", "GenerateRequest", "error_body", "parse_completion", "parse_chat",
-           "parse_prefix", "DEFAULT_MAX_TOKENS", "DEFAULT_CHAT_MAX_TOKENS"]
+__all__ = ["APIError", "GenerateRequest", "error_body", "parse_json", "parse_completion",
+           "parse_chat", "parse_prefix", "DEFAULT_MAX_TOKENS", "DEFAULT_CHAT_MAX_TOKENS",
+           "MAX_JSON_DEPTH"]
 
 DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 DEFAULT_CHAT_MAX_TOKENS = 256  # chat has no OpenAI default short of the context; a bounded one
@@ -32,6 +36,16 @@ _OFF_VALUES = {"logprobs": (None, False, 0), "echo": (None, False), "best_of": (
                "response_format": (None, {"type": "text"})}
 _COMPLETION_FIELDS = ("prompt", *_COMMON_FIELDS)
 _CHAT_FIELDS = ("messages", "max_completion_tokens", *_COMMON_FIELDS)
+#: nesting a body may have: any body this API accepts needs 4 (chat content parts), and values
+#: well below Python's recursion limit keep code that recurses over them (repr, in error
+#: messages) from overflowing
+MAX_JSON_DEPTH = 32
+_TOO_DEEP = (f"the request body is nested more than {MAX_JSON_DEPTH} levels deep; no field of this "
+             "API needs that, send a flatter JSON object")
+# NOTE: a lone surrogate can only come from a \u escape (UTF-8 cannot encode one); this finds
+# every candidate cheaply, and the strings are checked only when it finds one.
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
+_SURROGATE = re.compile("[\ud800-\udfff]")
 
 
 class APIError(Exception):
@@ -50,6 +64,26 @@ def error_body(message: str, *, type: str = "invalid_request_error", param: str 
                code: str | None = None) -> dict[str, Any]:
     """OpenAI's error body: ``{"error": {"message", "type", "param", "code"}}``."""
     return {"error": {"message": message, "type": type, "param": param, "code": code}}
+
+
+def parse_json(body: bytes) -> Any:
+    """A request body as JSON (RFC 8259): UTF-8, no ``NaN``/``Infinity``, nested at most
+    :data:`MAX_JSON_DEPTH` deep, strings valid Unicode (no lone surrogates, which no tokenizer
+    or UTF-8 encoder takes); anything else is a 400."""
+    try:
+        text = body.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise APIError(f"the request body is not valid JSON: byte {e.start} is not UTF-8 ({e.reason}); "
+                       "send a UTF-8 JSON object with Content-Type: application/json") from None
+    try:
+        value = json.loads(text, parse_constant=_refuse_constant)
+    except RecursionError:  # NOTE: the decoder recurses per level; a deep body exhausts the stack
+        raise APIError(_TOO_DEEP) from None
+    except ValueError as e:  # JSONDecodeError, NaN/Infinity, an integer past Python's digit limit
+        raise APIError(f"the request body is not valid JSON ({e}); send a JSON object with "
+                       "Content-Type: application/json") from None
+    _check_tree(value, has_surrogates=_SURROGATE_ESCAPE.search(body) is not None)
+    return value
 
 
 @dataclass(frozen=True)
@@ -196,6 +230,33 @@ def _salt(body: Mapping) -> str | None:
                        "the tenant's salt (prefixes are shared only within one salt)",
                        param="cache_salt")
     return salt
+
+
+def _refuse_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not a JSON number (RFC 8259)")
+
+
+def _check_tree(value: Any, *, has_surrogates: bool) -> None:
+    """Walk the containers (iteratively: the walk itself must not recurse) for their depth and,
+    when ``has_surrogates``, their strings for lone surrogates."""
+    stack = [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, dict):
+            children = [*item.keys(), *item.values()]
+        elif isinstance(item, list):
+            children = item
+        else:
+            children = (item,) if depth == 1 else ()
+        if depth > MAX_JSON_DEPTH:
+            raise APIError(_TOO_DEEP)
+        for child in children:
+            if isinstance(child, (dict, list)):
+                stack.append((child, depth + 1))
+            elif has_surrogates and isinstance(child, str) and _SURROGATE.search(child):
+                raise APIError(f"the request body has a string with a lone UTF-16 surrogate "
+                               f"({describe_value(child)}); send valid Unicode text (escape a "
+                               "character outside the BMP as a surrogate pair)")
 
 
 def _is_token_ids(value: Any) -> bool:

@@ -23,11 +23,14 @@ LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
 
 def serve(config: Any, host: str = "127.0.0.1", port: int = 8000, *,
           served_model_name: str | None = None, drain_timeout: float = 30.0,
-          log_level: str = "info") -> None:
+          log_level: str = "info", api_key: str | None = None,
+          max_request_bytes: int | None = None) -> None:
     """Serve one engine built from ``config`` (a :class:`corekv.Config`, a mapping or a YAML path)
     on ``host:port`` until SIGTERM or SIGINT, then shut down gracefully and return.
 
-    The port is bound before the model loads, so a taken port fails at once.
+    ``api_key`` and ``max_request_bytes`` (default: ``DEFAULT_MAX_REQUEST_BYTES``) are
+    :func:`corekv.server.app.build_app`'s. The port is bound before the model loads, so a taken
+    port fails at once.
     :raises OSError: the address cannot be bound (message names host, port and the fix).
     """
     _check_args(host, port, drain_timeout, log_level)
@@ -35,6 +38,14 @@ def serve(config: Any, host: str = "127.0.0.1", port: int = 8000, *,
 
     from corekv.engine.llm_engine import Engine
     from corekv.server.app import build_app
+    from corekv.server.auth import check_api_key
+    from corekv.server.limits import DEFAULT_MAX_REQUEST_BYTES, check_max_request_bytes
+
+    if api_key is not None:  # NOTE: before the model loads, like the other arguments
+        check_api_key(api_key)
+    if max_request_bytes is None:
+        max_request_bytes = DEFAULT_MAX_REQUEST_BYTES
+    check_max_request_bytes(max_request_bytes)
 
     sock = bind_socket(host, port)
     try:
@@ -44,7 +55,8 @@ def serve(config: Any, host: str = "127.0.0.1", port: int = 8000, *,
         raise
     app = None
     try:
-        app = build_app(engine, served_model_name=served_model_name, close_engine=True)
+        app = build_app(engine, served_model_name=served_model_name, close_engine=True,
+                        api_key=api_key, max_request_bytes=max_request_bytes)
         server = uvicorn.Server(uvicorn.Config(app, log_level=log_level,
                                                timeout_graceful_shutdown=drain_timeout))
         logging.getLogger("uvicorn.error").info("corekv serving %s on http://%s:%d",

@@ -1,8 +1,11 @@
 """Helpers shared by the server tests: the tiny model's config, a plugin that records finished
-requests, and SSE reading (``corekv serve`` subprocesses: tests/processes.py)."""
+requests, SSE reading, and the errors a server logs (``corekv serve`` subprocesses:
+tests/processes.py)."""
 from __future__ import annotations
 
+import contextlib
 import json
+import logging
 
 from corekv.plugin import hookimpl
 
@@ -39,3 +42,27 @@ def sse_payloads(lines) -> list:
         payloads.append(json.loads(line[len("data: "):]))
     assert done, "the stream did not end with data: [DONE]"
     return payloads
+
+
+@contextlib.contextmanager
+def logged_errors():
+    """The records of errors (and of anything with a traceback) that an in-process server logs
+    meanwhile. NOTE: uvicorn's loggers do not propagate to the root logger, which caplog
+    watches, so the handler sits on ``uvicorn`` (whose ``uvicorn.error`` logs an app's
+    exceptions) and on the root (corekv's loggers)."""
+    records: list[logging.LogRecord] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            if record.exc_info or record.levelno >= logging.ERROR:
+                records.append(record)
+
+    handler = Keep()
+    loggers = [logging.getLogger("uvicorn"), logging.getLogger()]
+    for logger in loggers:
+        logger.addHandler(handler)
+    try:
+        yield records
+    finally:
+        for logger in loggers:
+            logger.removeHandler(handler)

@@ -69,9 +69,12 @@ def test_stats_is_engine_stats_as_json(server, client, engine):
     assert after["kv_block_size"] == engine.block_size
 
 
-def test_info_names_the_model_block_size_and_no_kv_events(server, engine):
+def test_info_names_the_model_block_size_prompt_bound_and_no_kv_events(server, engine):
+    max_prompt_chars = server.app.state.async_engine.max_prompt_chars
     assert get(server, "/admin/info").json() == {"model": MODEL_ID, "block_size": engine.block_size,
+                                                 "max_prompt_chars": max_prompt_chars,
                                                  "kv_events": None}
+    assert max_prompt_chars >= engine.max_model_len  # a byte tokenizer: a token per character
 
 
 def test_info_reports_the_kv_event_sockets_the_publisher_bound(tiny_model_folder):

@@ -75,3 +75,51 @@ def test_a_rejected_request_raises_at_submit_and_leaves_the_engine_idle(engine):
         assert asyncio.run(scenario()) == (False, 0)
     finally:
         runner.stop(timeout=30)
+
+
+def test_prompts_are_tokenized_while_the_engine_thread_is_busy(engine):
+    """Tokenizing runs on a worker thread, so a long prompt holds up neither the event loop nor
+    the steps of running requests: here it finishes while the engine thread is held in a call."""
+    runner = AsyncEngine(engine)
+    runner.start()
+    gate, entered = threading.Event(), threading.Event()
+    chat = [{"role": "user", "content": "and a chat"}]
+
+    def hold(_):
+        entered.set()
+        gate.wait(60)
+
+    async def scenario():
+        held = asyncio.ensure_future(runner.call(hold))
+        assert await asyncio.to_thread(entered.wait, 30), "the engine thread did not take the call"
+        try:
+            text_ids = await asyncio.wait_for(runner.encode("tokenized meanwhile"), 30)
+            chat_ids = await asyncio.wait_for(runner.encode(chat, add_generation_prompt=False), 30)
+            return text_ids, chat_ids, held.done()
+        finally:
+            gate.set()
+            await held
+
+    try:
+        text_ids, chat_ids, was_held_done = asyncio.run(scenario())
+    finally:
+        runner.stop(timeout=30)
+    assert not was_held_done
+    assert text_ids == engine.encode("tokenized meanwhile")
+    assert chat_ids == engine.encode(chat, add_generation_prompt=False) != engine.encode(chat)
+
+
+def test_a_request_tokenized_ahead_keeps_its_text_prompt_in_the_output(engine):
+    runner = AsyncEngine(engine)
+    runner.start()
+
+    async def scenario():
+        handle = await runner.submit("kept as text", SamplingParams(max_tokens=2))
+        return await handle.result()
+
+    try:
+        output = asyncio.run(scenario())
+    finally:
+        runner.stop(timeout=30)
+    assert output.prompt == "kept as text"
+    assert output.prompt_token_ids == engine.encode("kept as text")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import httpx
 import openai
 import pytest
-from server_helpers import MODEL_ID, tiny_config
+from server_helpers import MODEL_ID, logged_errors, tiny_config
 
 from corekv.engine.llm_engine import Engine
 from corekv.plugin import hookimpl
@@ -120,8 +120,11 @@ def test_an_engine_fault_fails_its_request_with_a_500_and_the_server_goes_on(tin
     with Engine.from_config(tiny_config(tiny_model_folder), plugins=(ExplodesOnBoom(),)) as engine, \
             BackgroundServer(build_app(engine, served_model_name=MODEL_ID)) as server:
         body = {"prompt": "boom", "max_tokens": 3}
-        response = post(server, "/v1/completions", json=body)
+        with logged_errors() as errors:
+            response = post(server, "/v1/completions", json=body)
         assert response.status_code == 500
+        # a fault of the server is logged with its traceback (what a client's mistake never is)
+        assert any(r.exc_info and "plugin exploded" in str(r.exc_info[1]) for r in errors), errors
         error = error_of(response)
         assert error["type"] == "server_error" and "plugin exploded" in error["message"]
         with httpx.stream("POST", server.url + "/v1/completions", json={**body, "stream": True},
