@@ -33,11 +33,30 @@ def lmdb_config(tiny_model_folder, tmp_path):
     (["--drain-timeout", "-1"], "--drain-timeout"), (["--drain-timeout", "inf"], "--drain-timeout"),
     (["--log-level", "loud"], "--log-level"), (["--served-model-name", " "], "--served-model-name"),
     (["--host", ""], "--host"),
+    (["--api-key", ""], "--api-key: got an empty string"), (["--api-key", "my key"], "--api-key: the key has"),
+    (["--max-request-bytes", "0"], "--max-request-bytes: got '0'; expected a size >= 1 byte"),
+    (["--max-request-bytes", "lots"], "--max-request-bytes: got 'lots'"),
 ])
 def test_bad_flags_exit_2_with_one_line_naming_the_flag(capsys, args, words):
     assert main(["serve", *args]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("corekv: error: ") and "\n" not in err and words in err
+
+
+@pytest.mark.parametrize("value, words", [("", "got an empty string"), ("tab\tkey", "'\\t'")])
+def test_a_bad_key_in_the_environment_exits_2_naming_the_variable(capsys, monkeypatch, value, words):
+    monkeypatch.setenv("COREKV_API_KEY", value)
+    assert main(["serve"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("corekv: error: $COREKV_API_KEY: ") and words in err
+    assert value not in err or not value
+
+
+def test_the_default_body_limit_is_the_servers():
+    from corekv.cli_serve import DEFAULT_MAX_REQUEST_BYTES, size_arg
+    from corekv.server.limits import DEFAULT_MAX_REQUEST_BYTES as SERVER_DEFAULT
+
+    assert size_arg(DEFAULT_MAX_REQUEST_BYTES) == SERVER_DEFAULT
 
 
 def test_a_taken_port_exits_1_before_loading_the_model(capsys, lmdb_config):
