@@ -11,9 +11,12 @@ import sys
 from urllib.parse import urlsplit
 
 from corekv.cli import UsageError, _float_at_least, _int_at_least, _load, _parser_kwargs, number_arg
+from corekv.cli_serve import API_KEY_ENV, DEFAULT_MAX_REQUEST_BYTES, api_key_arg, size_arg
 from corekv.router.policy import POLICY_NAMES
 
 DEFAULT_PORT = 8080
+#: where --worker-api-key is read from when the flag is not given
+WORKER_API_KEY_ENV = "COREKV_WORKER_API_KEY"
 
 
 def add_route_command(commands, common) -> None:
@@ -30,10 +33,13 @@ def add_route_command(commands, common) -> None:
                                 "  corekv route --config serve.yaml --workers http://gpu1:8000 "
                                 "http://gpu2:8000 --cache-threshold 0.5\n"
                                 "  corekv route --workers http://127.0.0.1:8001 "
-                                "http://127.0.0.1:8002 --policy round_robin\n",
+                                "http://127.0.0.1:8002 --policy round_robin\n"
+                                f"  {API_KEY_ENV}=client-key {WORKER_API_KEY_ENV}=worker-key "
+                                "corekv route --workers http://gpu1:8000 http://gpu2:8000\n",
                                 "endpoints: POST /v1/completions, POST /v1/chat/completions, "
                                 "GET /v1/models, GET /health,\nGET /workers (each worker's state). "
-                                "See docs/route.md.\n\n"))
+                                "With an API key, every endpoint but /health\nneeds "
+                                "'Authorization: Bearer KEY'. See docs/route.md.\n\n"))
     p.add_argument("--workers", metavar="URL", nargs="+", required=True,
                    help="the workers' base URLs (http://HOST:PORT), each once")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)")
@@ -61,6 +67,18 @@ def add_route_command(commands, common) -> None:
     p.add_argument("--request-timeout", metavar="S", type=_positive_seconds, default=600.0,
                    help="seconds to wait for a worker's answer (or next stream bytes) "
                         "(default: 600)")
+    p.add_argument("--api-key", metavar="KEY",
+                   help=f"require 'Authorization: Bearer KEY' from clients on every endpoint but "
+                        f"/health (401 otherwise); default: ${API_KEY_ENV}, else none")
+    p.add_argument("--worker-api-key", metavar="KEY",
+                   help=f"the key the workers were started with (their --api-key), sent with "
+                        f"every request to them, health checks included; the clients' key is "
+                        f"never forwarded. Default: ${WORKER_API_KEY_ENV}, else none. Prefer the "
+                        f"variables: flags show in ps")
+    p.add_argument("--max-request-bytes", metavar="SIZE", type=size_arg,
+                   default=DEFAULT_MAX_REQUEST_BYTES,
+                   help=f"larger request bodies are answered 413 before they are read "
+                        f"(default: {DEFAULT_MAX_REQUEST_BYTES})")
     p.set_defaults(handler=cmd_route)
 
 
@@ -77,15 +95,18 @@ def cmd_route(args: argparse.Namespace) -> int:
     duplicates = sorted({u for u in urls if urls.count(u) > 1})
     if duplicates:
         raise UsageError(f"--workers: got {', '.join(duplicates)} more than once; name each worker once")
+    api_key = api_key_arg(args.api_key, "--api-key", API_KEY_ENV)
+    worker_api_key = api_key_arg(args.worker_api_key, "--worker-api-key", WORKER_API_KEY_ENV)
     cfg = _load(args)
     tokenizer = load_tokenizer(cfg.model, plugin_manager=make_plugin_manager(cfg.plugins))
     policy = make_policy(args.policy, CacheAwareConfig(
         cache_threshold=args.cache_threshold, balance_abs_threshold=args.balance_abs_threshold,
         balance_rel_threshold=args.balance_rel_threshold))
     pool = WorkerPool(urls, block_size=cfg.engine.block_size, max_tree_blocks=args.tree_blocks,
-                      health_interval_s=args.health_interval)
+                      health_interval_s=args.health_interval, worker_api_key=worker_api_key)
     app = build_app(pool, policy, tokenizer, max_retries=args.max_retries,
-                    request_timeout_s=args.request_timeout)
+                    request_timeout_s=args.request_timeout, api_key=api_key,
+                    max_request_bytes=args.max_request_bytes)
     print(f"corekv route: http://{args.host}:{args.port} -> {len(urls)} workers "
           f"({args.policy}, model {cfg.model})", file=sys.stderr, flush=True)
     uvicorn.run(app, host=args.host, port=args.port, log_level="warning")

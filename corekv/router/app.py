@@ -10,9 +10,15 @@ Retries: a request whose worker cannot be reached, drops the connection, or answ
 fail, the last 502/503/504 is returned, else a 502 of the router's own). A non-streamed answer is
 read whole first, a stream up to its first token; so a worker that dies loses no request whose
 stream has not yet reached the client. Other answers (a worker's 4xx included) pass unchanged.
+
+Guards, as in ``corekv serve``: with an ``api_key`` every path but ``/health`` needs
+``Authorization: Bearer <api_key>`` (401), and a body over ``max_request_bytes`` is a 413, both
+before the body is read. The client's ``Authorization`` is the router's and is never forwarded;
+workers get the pool's own (``WorkerPool(worker_api_key=...)``).
 """
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import logging
@@ -23,6 +29,7 @@ from typing import Any
 import httpx
 from starlette.applications import Starlette
 from starlette.background import BackgroundTask
+from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
@@ -30,6 +37,10 @@ from starlette.routing import Route
 from corekv.router.policy import CacheAwarePolicy, RoundRobinPolicy
 from corekv.router.health import WorkerPool
 from corekv.router.workers import Worker
+from corekv.server.auth import APIKeyGuard, check_api_key
+from corekv.server.limits import (DEFAULT_MAX_REQUEST_BYTES, BodyLimit, check_max_request_bytes,
+                                  num_prompt_chars)
+from corekv.server.protocol import APIError, parse_json
 
 logger = logging.getLogger(__name__)
 
@@ -38,11 +49,22 @@ RETRY_STATUSES = frozenset({502, 503, 504})
 _DROPPED_HEADERS = frozenset({"host", "connection", "keep-alive", "transfer-encoding",
                               "content-length", "content-encoding", "accept-encoding", "upgrade",
                               "proxy-connection", "te", "trailer"})
+# NOTE: the client's credentials are for the router; a worker gets the pool's worker key instead
+_CLIENT_ONLY_HEADERS = frozenset({"authorization"})
 
 
 def build_app(pool: WorkerPool, policy: CacheAwarePolicy | RoundRobinPolicy, tokenizer: Any, *,
-              max_retries: int = 2, request_timeout_s: float = 600.0) -> Starlette:
-    """The router app; its lifespan starts the health checks and the forwarding client."""
+              max_retries: int = 2, request_timeout_s: float = 600.0, api_key: str | None = None,
+              max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES) -> Starlette:
+    """The router app; its lifespan starts the health checks and the forwarding client.
+
+    :param api_key: when set, clients need ``Authorization: Bearer <api_key>`` on every path but
+        ``/health``.
+    :param max_request_bytes: larger request bodies are answered 413 before they are read.
+    """
+    middleware = [Middleware(BodyLimit, max_bytes=check_max_request_bytes(max_request_bytes))]
+    if api_key is not None:  # NOTE: outermost: a client without the key is refused first
+        middleware.insert(0, Middleware(APIKeyGuard, api_key=check_api_key(api_key)))
     router = _Router(pool, policy, tokenizer, max_retries, request_timeout_s)
 
     @asynccontextmanager
@@ -62,7 +84,7 @@ def build_app(pool: WorkerPool, policy: CacheAwarePolicy | RoundRobinPolicy, tok
               Route("/v1/models", router.models, methods=["GET"]),
               Route("/health", router.health, methods=["GET"]),
               Route("/workers", router.workers, methods=["GET"])]
-    app = Starlette(routes=routes, lifespan=lifespan)
+    app = Starlette(routes=routes, lifespan=lifespan, middleware=middleware)
     app.state.router = router
     return app
 
@@ -95,17 +117,31 @@ class _Router:
     # -- forwarding --------------------------------------------------------------------------------
     async def _generate(self, request: Request, path: str, *, chat: bool) -> Response:
         body = await request.body()
-        try:
-            payload = json.loads(body)
-        except ValueError:
-            payload = None  # NOTE: the worker answers the 400, in its own words
-        token_ids, salt = prompt_token_ids(self.tokenizer, payload, chat=chat)
+        bounds = [(w.info or {}).get("max_prompt_chars") for w in self.pool.workers]
+        bounds = [b for b in bounds if isinstance(b, int) and not isinstance(b, bool)]
+        # NOTE: parsing and tokenizing a long body takes a while: not on the event loop
+        payload, token_ids, salt = await asyncio.to_thread(
+            self._route_key, body, chat, max(bounds) if bounds else None)
         stream = isinstance(payload, dict) and payload.get("stream") is True
         return await self._forward(request, "POST", path, body, token_ids, salt, stream=stream)
 
+    def _route_key(self, body: bytes, chat: bool, max_prompt_chars: int | None
+                   ) -> tuple[Any, list[int], Hashable]:
+        """The body's JSON (None if invalid: the worker answers the 400, in its own words), and
+        the prompt's token ids and salt to route it by."""
+        try:
+            payload = parse_json(body)
+        except APIError:
+            return None, [], None
+        token_ids, salt = prompt_token_ids(self.tokenizer, payload, chat=chat,
+                                           max_prompt_chars=max_prompt_chars)
+        return payload, token_ids, salt
+
     async def _forward(self, request: Request, method: str, path: str, body: bytes,
                        token_ids: list[int], salt: Hashable, *, stream: bool) -> Response:
-        headers = {k: v for k, v in request.headers.items() if k.lower() not in _DROPPED_HEADERS}
+        headers = {k: v for k, v in request.headers.items()
+                   if k.lower() not in _DROPPED_HEADERS and k.lower() not in _CLIENT_ONLY_HEADERS}
+        headers.update(self.pool.worker_headers)
         tried: set[int] = set()
         failures: list[str] = []
         busy_answer: Response | None = None  # the last 502/503/504, returned if no worker does better
@@ -234,11 +270,13 @@ async def _close(upstream: httpx.Response, worker: Worker, ticket: int) -> None:
     worker.finish(ticket)
 
 
-def prompt_token_ids(tokenizer: Any, payload: Any, *, chat: bool) -> tuple[list[int], Hashable]:
+def prompt_token_ids(tokenizer: Any, payload: Any, *, chat: bool,
+                     max_prompt_chars: int | None = None) -> tuple[list[int], Hashable]:
     """The prompt's token ids as the worker's engine will see them, and its ``cache_salt``.
 
-    ``([], salt)`` when the body is not a valid request: the router then routes by load alone and
-    the worker answers with the error."""
+    ``([], salt)`` when the body is not a valid request, or its prompt has more characters than
+    ``max_prompt_chars`` (the most any worker announces on ``/admin/info``: none could take it):
+    the router then routes by load alone and the worker answers with the error."""
     from corekv.engine.models import encode_prompt
     from corekv.server.protocol import parse_messages
 
@@ -252,6 +290,8 @@ def prompt_token_ids(tokenizer: Any, payload: Any, *, chat: bool) -> tuple[list[
             prompt = parse_messages(prompt)
         elif isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
             prompt = prompt[0]  # a one-prompt batch, as the server reads it
+        if max_prompt_chars is not None and num_prompt_chars(prompt) > max_prompt_chars:
+            return [], salt
         return encode_prompt(tokenizer, prompt), salt
     except Exception as e:  # NOTE: a bad body or any tokenizer failure: the worker says why
         logger.debug("prompt not tokenized (%s); routing by load", e)

@@ -2,7 +2,8 @@
 
 A worker that refuses the connection, or fails two checks in a row, leaves the rotation (and
 its cache view is dropped); one that passes again rejoins with its ``GET /admin/info`` read again
-and its KV events subscribed again.
+and its KV events subscribed again. With a ``worker_api_key``, every request to a worker (these
+checks and the forwarded requests alike) presents it as ``Authorization: Bearer <key>``.
 """
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from corekv.router.workers import Worker
+from corekv.server.auth import bearer_headers
 
 logger = logging.getLogger(__name__)
 
@@ -26,11 +28,14 @@ class WorkerPool:
     """
 
     def __init__(self, urls: Sequence[str], *, block_size: int, max_tree_blocks: int,
-                 health_interval_s: float, use_events: bool = True):
+                 health_interval_s: float, use_events: bool = True,
+                 worker_api_key: str | None = None):
         self.workers = [Worker(i, url, block_size=block_size, max_tree_blocks=max_tree_blocks)
                         for i, url in enumerate(urls)]
         self.health_interval_s = health_interval_s
         self.use_events = use_events
+        #: what every request to a worker carries (the worker key, if any)
+        self.worker_headers = bearer_headers(worker_api_key)
         self._client: Any = None
         self._task: asyncio.Task | None = None
         self._num_failed = [0] * len(self.workers)  # consecutive failed checks per worker
@@ -44,7 +49,7 @@ class WorkerPool:
         import httpx
 
         # NOTE: a busy worker (a long prefill on a small CPU) answers late, not never
-        self._client = httpx.AsyncClient(timeout=HEALTH_TIMEOUT_S)
+        self._client = httpx.AsyncClient(timeout=HEALTH_TIMEOUT_S, headers=self.worker_headers)
         await self.check_all()
         self._task = asyncio.create_task(self._check_forever())
 
@@ -101,6 +106,9 @@ class WorkerPool:
         except (httpx.HTTPError, ValueError) as e:
             logger.warning("worker %s: GET /admin/info failed (%s)", worker.url, e)
             return None
+        if response.status_code == 401:
+            logger.warning("worker %s: GET /admin/info answered 401: start the router with the "
+                           "workers' key (--worker-api-key or $COREKV_WORKER_API_KEY)", worker.url)
         return info if isinstance(info, dict) else None
 
     async def _check_forever(self) -> None:

@@ -11,6 +11,8 @@ from processes import wait_until
 BLOCK_SIZE = 4
 NUM_BLOCKS = 128
 NUM_WORKERS = 3
+WORKER_KEY = "worker-key-0123"  # the keyed worker's (conftest.py)
+CLIENT_KEY = "client-key-4567"  # a router's own, for its clients
 
 
 class RouterThread:

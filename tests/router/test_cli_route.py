@@ -9,6 +9,7 @@ import sys
 import httpx
 import pytest
 from processes import free_port, wait_until
+from router_helpers import CLIENT_KEY, WORKER_KEY
 
 from corekv.cli import main
 
@@ -27,6 +28,9 @@ WORKERS = ["--workers", "http://127.0.0.1:8001", "http://127.0.0.1:8002"]
     (["--request-timeout", "nan"], "--request-timeout: got nan; expected seconds > 0"),
     (["--port", "70000"], "--port: got 70000; expected a port number 1-65535"),
     (["--policy", "random"], "--policy: invalid choice: 'random'"),
+    (["--api-key", ""], "--api-key: got an empty string; expected a non-empty key"),
+    (["--worker-api-key", "a key"], "--worker-api-key: the key has the character ' '"),
+    (["--max-request-bytes", "0"], "--max-request-bytes: got '0'; expected a size >= 1 byte"),
 ])
 def test_bad_flags_exit_2_naming_the_flag(args, message, capsys):
     assert main(["route", *WORKERS, *args]) == 2
@@ -75,6 +79,40 @@ def test_the_route_command_serves_requests(workers):
         state = httpx.get(url + "/workers").json()
         assert state["policy"] == "cache_aware"
         assert sum(w["requests"] for w in state["workers"]) == 1
+    finally:
+        router.terminate()
+        router.wait(timeout=30)
+
+
+def test_a_bad_worker_key_in_the_environment_exits_2_naming_the_variable(monkeypatch, capsys):
+    monkeypatch.setenv("COREKV_WORKER_API_KEY", "")
+    assert main(["route", *WORKERS]) == 2
+    assert "$COREKV_WORKER_API_KEY: got an empty string" in capsys.readouterr().err
+
+
+def test_the_route_command_takes_its_keys_from_flags_and_the_environment(keyed_worker):
+    """The real entry point: the clients' key from $COREKV_API_KEY, the worker's from the flag."""
+    port = free_port()
+    env = dict(os.environ, COREKV_DISABLE_PLUGIN_AUTOLOAD="1", COREKV_API_KEY=CLIENT_KEY)
+    router = subprocess.Popen(
+        [sys.executable, "-m", "corekv.cli", "route", "--config", str(keyed_worker.config_path),
+         "--workers", keyed_worker.url, "--port", str(port), "--health-interval", "0.5",
+         "--worker-api-key", WORKER_KEY], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        def healthy():
+            assert router.poll() is None, router.stdout.read().decode()
+            try:
+                return httpx.get(url + "/health", timeout=1).status_code == 200
+            except httpx.HTTPError:
+                return False
+
+        wait_until(healthy, 60, "corekv route to answer /health", 0.2)
+        body = {"prompt": "Hello", "max_tokens": 2}
+        assert httpx.post(url + "/v1/completions", json=body, timeout=60).status_code == 401
+        response = httpx.post(url + "/v1/completions", json=body, timeout=60,
+                              headers={"Authorization": f"Bearer {CLIENT_KEY}"})
+        assert response.status_code == 200 and response.json()["usage"]["completion_tokens"] == 2
     finally:
         router.terminate()
         router.wait(timeout=30)
