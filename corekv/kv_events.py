@@ -10,13 +10,20 @@ with ``array_like=True, omit_defaults=True, tag=True`` encode them (tag first, f
     batch:            [ts: float64, [event, ...]]            (+ [data_parallel_rank] when set)
     BlockStored:      ["BlockStored", [hash, ...], parent_hash | nil, [token id, ...],
                        block_size, lora_id | nil, medium | nil]
+                      (+ [lora_name | nil, [extra keys | nil, ...]] when extra keys are set)
     BlockRemoved:     ["BlockRemoved", [hash, ...], medium | nil]
     AllBlocksCleared: ["AllBlocksCleared"]
 
 A hash is ``bytes`` (msgpack bin; corekv's 16-byte xxh3-128 or 32-byte sha256 chain hashes) or an
-``int`` (older vLLM). A replay ROUTER socket, when the publisher has one, answers a request
-``[b"", start seq (8 bytes big-endian)]`` with ``[b"", seq, payload]`` for every buffered batch from
-``start`` on, then the end marker ``[b"", -1 (8 bytes, signed), b""]``.
+``int`` (older vLLM). ``extra_keys`` has one entry per block, as in vLLM: an array of what set the
+block's hash apart besides its tokens and parent (vLLM: LoRA name, multimodal hashes, the salt), or
+nil. corekv sets it only on the first block of a salted chain, to ``[cache_salt_key(salt)]`` (a
+digest of the tenant's salt); ``token_ids`` is empty when the publisher withholds them
+(``kv_events.include_token_ids: false``).
+
+A replay ROUTER socket, when the publisher has one, answers a request ``[b"", start seq (8 bytes
+big-endian)]`` with ``[b"", seq, payload]`` for every buffered batch from ``start`` on, then the
+end marker ``[b"", -1 (8 bytes, signed), b""]``.
 
 :func:`decode_batch` also reads what newer and older vLLM versions send: extra trailing fields
 are ignored, missing trailing optional fields read as ``None``, and map-encoded events
@@ -24,6 +31,7 @@ are ignored, missing trailing optional fields read as ``None``, and map-encoded 
 """
 from __future__ import annotations
 
+import hashlib
 import logging
 import threading
 from collections.abc import Callable, Sequence
@@ -37,6 +45,8 @@ logger = logging.getLogger(__name__)
 
 ExternalBlockHash = Union[bytes, int]
 SEQ_BYTES = 8
+#: how a tenant's extra key starts (see :func:`cache_salt_key`)
+CACHE_SALT_KEY_PREFIX = "cache_salt_sha256:"
 #: the replay socket's end-of-replay sequence number (sent as 8 signed big-endian bytes)
 END_OF_REPLAY_SEQ = -1
 
@@ -45,12 +55,37 @@ class KVEventDecodeError(CoreKVError, ValueError):
     """A payload is not a KV event batch in the vLLM wire format; the message says what is wrong."""
 
 
+def cache_salt_key(cache_salt: str | None) -> str | None:
+    """The extra key that names a salted chain's tenant in KV events; ``None`` for no salt.
+
+    ``"cache_salt_sha256:"`` and the first 16 bytes, in hex, of sha256 over a fixed label and the
+    salt. A publisher puts it in the first block's ``extra_keys`` of a salted chain, and a router
+    computes it from a request's ``cache_salt`` to find that tenant's blocks: equal salts give
+    equal keys, and ``None`` and ``""`` are both no salt (as in :func:`corekv.hashing.chain_seed`).
+
+    NOTE: vLLM sends the salt itself; corekv sends this digest instead, so a subscriber can tell
+    tenants apart but cannot read their salts (which are often tenant ids or secrets). It is not
+    keyed: whoever guesses a salt can confirm the guess, so salts meant to stay private should be
+    random strings, not names.
+    """
+    if cache_salt is not None and not isinstance(cache_salt, str):
+        raise TypeError(f"cache_salt_key(cache_salt=...) got {describe_value(cache_salt)}; "
+                        "expected the request's cache_salt (a str) or None")
+    if not cache_salt:
+        return None
+    digest = hashlib.sha256(b"corekv-kv-events-cache-salt-v1\0" + cache_salt.encode()).digest()
+    return CACHE_SALT_KEY_PREFIX + digest[:16].hex()
+
+
 @dataclass(frozen=True)
 class BlockStored:
     """Full blocks became cached: one contiguous run of a hash chain.
 
     ``parent_block_hash`` is the hash of the block just before ``block_hashes[0]`` (``None`` at the
-    chain's start); ``token_ids`` are the stored blocks' tokens, ``block_size`` per block.
+    chain's start); ``token_ids`` are the stored blocks' tokens, ``block_size`` per block, or empty
+    when the publisher withholds them; ``extra_keys`` is ``None`` or one entry per block: a tuple
+    of the block's extra hash keys, or ``None`` (the fields after ``medium`` are vLLM's, in its
+    order).
     """
 
     block_hashes: Sequence[ExternalBlockHash]
@@ -59,6 +94,8 @@ class BlockStored:
     block_size: int
     lora_id: int | None = None
     medium: str | None = None
+    lora_name: str | None = None
+    extra_keys: Sequence[tuple[Any, ...] | None] | None = None
 
     def __post_init__(self) -> None:
         _set_tuple(self, "block_hashes", self.block_hashes, _check_hash)
@@ -69,6 +106,16 @@ class BlockStored:
         if self.lora_id is not None:
             _check_int("lora_id", self.lora_id)
         _check_medium(self.medium)
+        if self.lora_name is not None and not isinstance(self.lora_name, str):
+            raise TypeError(f"lora_name got {describe_value(self.lora_name)}; expected a str or None")
+        if self.extra_keys is not None:
+            _set_tuple(self, "extra_keys", self.extra_keys, _check_extra_keys)
+            if len(self.extra_keys) != len(self.block_hashes):
+                raise ValueError(f"extra_keys has {len(self.extra_keys)} entries for "
+                                 f"{len(self.block_hashes)} block hashes; expected one per block "
+                                 "(None for a block without extra keys)")
+            object.__setattr__(self, "extra_keys", tuple(
+                None if keys is None else _frozen(keys) for keys in self.extra_keys))
 
 
 @dataclass(frozen=True)
@@ -119,14 +166,20 @@ def encode_batch(batch: KVEventBatch) -> bytes:
     events = []
     for e in batch.events:
         if isinstance(e, BlockStored):
-            events.append(["BlockStored", list(e.block_hashes), e.parent_block_hash,
-                           list(e.token_ids), e.block_size, e.lora_id, e.medium])
+            fields = ["BlockStored", list(e.block_hashes), e.parent_block_hash,
+                      list(e.token_ids), e.block_size, e.lora_id, e.medium]
+            if e.extra_keys is not None:
+                fields += [e.lora_name, list(e.extra_keys)]
+            elif e.lora_name is not None:
+                fields.append(e.lora_name)
+            events.append(fields)
         elif isinstance(e, BlockRemoved):
             events.append(["BlockRemoved", list(e.block_hashes), e.medium])
         else:
             events.append(["AllBlocksCleared"])
     # NOTE: omit_defaults on an array_like struct drops only trailing defaults: the rank goes
-    # when unset; lora_id and medium are required fields in vLLM's structs, so always sent.
+    # when unset, and so do lora_name and extra_keys; lora_id and medium are required fields in
+    # vLLM's structs, so always sent.
     fields: list[Any] = [batch.ts, events]
     if batch.data_parallel_rank is not None:
         fields.append(batch.data_parallel_rank)
@@ -174,7 +227,7 @@ def _decode_event(raw: Any) -> KVEvent:
 _EVENT_TYPES = {"BlockStored": BlockStored, "BlockRemoved": BlockRemoved,
                 "AllBlocksCleared": AllBlocksCleared}
 _FIELDS = {"BlockStored": ("block_hashes", "parent_block_hash", "token_ids", "block_size",
-                           "lora_id", "medium"),
+                           "lora_id", "medium", "lora_name", "extra_keys"),
            "BlockRemoved": ("block_hashes", "medium"),
            "AllBlocksCleared": ()}
 
@@ -206,6 +259,19 @@ def _check_token(name: str, value: Any) -> None:
 def _check_medium(value: Any) -> None:
     if value is not None and not isinstance(value, str):
         raise TypeError(f"medium got {describe_value(value)}; expected a tier name (str) or None")
+
+
+def _check_extra_keys(name: str, value: Any) -> None:
+    if value is not None and (isinstance(value, (str, bytes)) or not isinstance(value, Sequence)):
+        raise TypeError(f"{name} holds {describe_value(value)}; expected a tuple of a block's "
+                        "extra hash keys, or None")
+
+
+def _frozen(value: Any) -> Any:
+    """``value`` with every list turned into a tuple (msgpack reads tuples back as lists)."""
+    if isinstance(value, (list, tuple)):
+        return tuple(_frozen(v) for v in value)
+    return value
 
 
 def _check_event(name: str, value: Any) -> None:

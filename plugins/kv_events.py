@@ -7,12 +7,17 @@ in :mod:`corekv.kv_events`), so routers written for vLLM's KV events (llm-d, ``c
 follow the cache::
 
     engine = corekv.Engine.from_config({"kv_events": {"enabled": True,
-                                                      "endpoint": "tcp://*:5557",
-                                                      "replay_endpoint": "tcp://*:5558"}})
+                                                      "endpoint": "tcp://127.0.0.1:5557",
+                                                      "replay_endpoint": "tcp://127.0.0.1:5558"}})
     publisher = publisher_for(engine)       # None when kv_events is off
     publisher.endpoint, publisher.num_batches, publisher.num_dropped
 
 Off (the default), the plugin does nothing and imports neither ``zmq`` nor ``msgpack``.
+
+What a subscriber learns: every cached and evicted block's hash, when (each batch's time), the
+blocks' token ids unless ``kv_events.include_token_ids`` is false, and for a salted chain a digest
+of its tenant's salt (:func:`corekv.kv_events.cache_salt_key`), never the salt itself. The default
+endpoint listens on loopback only, so only processes on the same machine can subscribe.
 """
 from __future__ import annotations
 
@@ -192,13 +197,29 @@ class KVEventPublisher:
         wire = []
         for e in events:
             if e.kind == "stored" and e.block_hashes:
-                wire.append(BlockStored(e.block_hashes, e.parent_block_hash, e.token_ids,
-                                        e.block_size or self.block_size))
+                wire.append(BlockStored(
+                    e.block_hashes, e.parent_block_hash,
+                    e.token_ids if self.config.include_token_ids else (),
+                    e.block_size or self.block_size, extra_keys=self._extra_keys(e)))
             elif e.kind == "removed" and e.is_cleared:
                 wire.append(AllBlocksCleared())
             elif e.kind == "removed" and e.block_hashes:
                 wire.append(BlockRemoved(e.block_hashes))
         return KVEventBatch(ts, wire)
+
+    @staticmethod
+    def _extra_keys(event: Any) -> list | None:
+        """vLLM's place for a chain's tenant: the first block's extra keys hold the salt's key.
+
+        NOTE: only a run that starts the chain carries it; a run continuing a chain belongs to
+        the tenant of its parent block, which a consumer already knows. The key is a digest of
+        the salt, not the salt (see corekv.kv_events.cache_salt_key for why)."""
+        from corekv.kv_events import cache_salt_key
+
+        key = cache_salt_key(event.cache_salt) if event.parent_block_hash is None else None
+        if key is None:
+            return None
+        return [(key,)] + [None] * (len(event.block_hashes) - 1)
 
     def _open(self, kind: int, endpoint: str, field: str, bind: bool | None = None,
               send_hwm: int | None = None):

@@ -10,9 +10,10 @@ from __future__ import annotations
 import pytest
 
 from corekv.backend import BlockEvent
+from corekv.hashing import PrefixKey, chain_seed
 from corekv.plugins.hash_blocks import HashBlockBackend
 from corekv.plugins.radix import RadixBackend
-from corekv.testing.backend import Request, make_key, tokens
+from corekv.testing.backend import MODEL, Request, make_key, tokens
 
 BS = 4
 BACKENDS = {"hash_blocks": HashBlockBackend, "radix": RadixBackend}
@@ -57,6 +58,21 @@ def test_decode_blocks_stored_later_continue_the_chain(make):
     b.cache(key, r.table[:2])
     hashes = key.block_hashes
     assert stored(b) == [BlockEvent("stored", (hashes[1],), hashes[0], tuple(grown[BS:2 * BS]), BS)]
+
+
+def test_the_stored_runs_of_a_salted_chain_carry_its_salt(make):
+    b = make()
+    prompt = tokens(2 * BS + 1)
+    seed = chain_seed(MODEL, BS, cache_salt="tenant-a")
+    key = PrefixKey(prompt, BS, seed, cache_salt="tenant-a")
+    table = b.allocate(3)
+    b.cache(key, table[:2])
+    grown = PrefixKey(prompt + [7] * (BS - 1), BS, seed, cache_salt="tenant-a")
+    b.cache(grown, table)                     # the next block fills up during decode
+    h = grown.block_hashes
+    assert stored(b) == [
+        BlockEvent("stored", tuple(h[:2]), None, tuple(prompt[:2 * BS]), BS, cache_salt="tenant-a"),
+        BlockEvent("stored", (h[2],), h[1], tuple(grown.token_ids[2 * BS:]), BS, cache_salt="tenant-a")]
 
 
 def test_hash_blocks_splits_a_stored_run_where_a_middle_block_is_cached_elsewhere():

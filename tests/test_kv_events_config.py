@@ -13,15 +13,17 @@ def load(section, **env):
     return load_config({"kv_events": section}, env=env)
 
 
-def test_defaults_match_vllm_and_are_off():
+def test_defaults_are_off_and_listen_on_loopback_only():
+    """vLLM's defaults, except the endpoint: vLLM binds tcp://*:5557, every interface."""
     assert Config().kv_events == KVEventsConfig()
-    assert KVEventsConfig() == KVEventsConfig(enabled=False, endpoint="tcp://*:5557", replay_endpoint=None,
-                                              topic="", buffer_steps=10000, hwm=100000)
+    assert KVEventsConfig() == KVEventsConfig(enabled=False, endpoint="tcp://127.0.0.1:5557",
+                                              replay_endpoint=None, topic="", buffer_steps=10000,
+                                              hwm=100000, include_token_ids=True)
 
 
 def test_a_full_section_loads_and_round_trips_through_dump():
-    section = {"enabled": True, "endpoint": "tcp://127.0.0.1:5557", "replay_endpoint": "ipc:///tmp/kv",
-               "topic": "kv@a", "buffer_steps": 5, "hwm": 10}
+    section = {"enabled": True, "endpoint": "tcp://*:5557", "replay_endpoint": "ipc:///tmp/kv",
+               "topic": "kv@a", "buffer_steps": 5, "hwm": 10, "include_token_ids": False}
     cfg = load(section)
     assert cfg.kv_events == KVEventsConfig(**section)
     assert load_config(dump_config(cfg), env={}).kv_events == cfg.kv_events
@@ -34,8 +36,9 @@ def test_a_full_section_loads_and_round_trips_through_dump():
     ({"endpoint": "localhost:5557"}, "kv_events.endpoint: got 'localhost:5557'; expected a ZMQ "
                                      "address such as tcp://*:5557"),
     ({"replay_endpoint": "5558"}, "kv_events.replay_endpoint: got '5558'; expected a ZMQ address"),
-    ({"replay_endpoint": "tcp://*:5557"}, "kv_events.replay_endpoint: got 'tcp://*:5557', the same "
-                                          "address as kv_events.endpoint; expected another port"),
+    ({"replay_endpoint": "tcp://127.0.0.1:5557"}, "kv_events.replay_endpoint: got "
+     "'tcp://127.0.0.1:5557', the same address as kv_events.endpoint; expected another port"),
+    ({"include_token_ids": "no"}, "kv_events.include_token_ids: got 'no'; expected true or false"),
     ({"buffer_steps": 0}, "kv_events.buffer_steps: got 0; expected an integer >= 1"),
     ({"hwm": 2.5}, "kv_events.hwm: got 2.5; expected an integer >= 1"),
     ({"topic": 7}, "kv_events.topic: got 7; expected a string; quote it in YAML"),
@@ -55,7 +58,8 @@ def test_port_zero_asks_for_free_ports_so_both_sockets_may_say_it():
 
 
 def test_environment_overrides_reach_the_section():
-    cfg = load_config({}, env={"COREKV_KV_EVENTS__ENABLED": "true", "COREKV_KV_EVENTS__HWM": "64"})
-    assert cfg.kv_events.enabled and cfg.kv_events.hwm == 64
+    cfg = load_config({}, env={"COREKV_KV_EVENTS__ENABLED": "true", "COREKV_KV_EVENTS__HWM": "64",
+                               "COREKV_KV_EVENTS__INCLUDE_TOKEN_IDS": "false"})
+    assert cfg.kv_events.enabled and cfg.kv_events.hwm == 64 and not cfg.kv_events.include_token_ids
     with pytest.raises(ConfigError, match=r"kv_events.buffer_steps: got -1.*\(set by COREKV_KV_EVENTS__BUFFER_STEPS\)"):
         load_config({}, env={"COREKV_KV_EVENTS__BUFFER_STEPS": "-1"})

@@ -11,8 +11,10 @@ published is read from the replay socket, from seq 0.
 """
 from __future__ import annotations
 
+import asyncio
 import gc
 import os
+import socket
 import subprocess
 import sys
 import threading
@@ -27,8 +29,9 @@ from corekv.config import load_config  # noqa: E402
 from corekv.engine.llm_engine import Engine  # noqa: E402
 from corekv.engine.sampling import SamplingParams  # noqa: E402
 from corekv.errors import ConfigError  # noqa: E402
-from corekv.kv_events import KVEventSubscriber, decode_batch  # noqa: E402
+from corekv.kv_events import KVEventSubscriber, cache_salt_key, decode_batch  # noqa: E402
 from corekv.plugins.kv_events import KVEventPublisher, publisher_for  # noqa: E402
+from corekv.router.workers import Worker  # noqa: E402
 
 BS = 16
 GREEDY = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
@@ -177,6 +180,111 @@ def test_evicted_blocks_are_published_as_block_removed(tiny, backend):
     removed_hashes = {h for e in removed for h in e[1]}
     assert set(engine.prefix_key(first).block_hashes) <= removed_hashes
     assert removed_hashes <= stored_hashes            # only what was published as stored
+
+
+def router_worker(publisher, loop: asyncio.AbstractEventLoop) -> Worker:
+    """``corekv route``'s view of this engine as a worker on this machine, subscribed the way its
+    health check subscribes (a real KVEventSubscriber, replaying from seq 0)."""
+    worker = Worker(0, "http://127.0.0.1:8001", block_size=BS, max_tree_blocks=1000)
+    worker.set_info({"model": "tiny", "block_size": BS, "kv_events": {
+        "endpoint": publisher.endpoint, "replay_endpoint": publisher.replay_endpoint, "topic": ""}})
+    worker.start_events(loop)
+    assert worker.subscriber is not None
+    return worker
+
+
+def run_loop_until(loop: asyncio.AbstractEventLoop, condition, what: str) -> None:
+    for _ in range(200):
+        loop.run_until_complete(asyncio.sleep(0.05))   # the worker's batches apply on the loop
+        if condition():
+            return
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def test_equal_prompts_of_two_tenants_publish_apart_and_the_router_keeps_them_apart(tiny):
+    ids = prompt(2 * BS + 3, start=0)         # 2 full blocks, also with the 3 generated tokens
+    salts = (None, "tenant-a", "tenant-b")
+    loop = asyncio.new_event_loop()
+    with make_engine(tiny, "radix") as engine:
+        publisher = publisher_for(engine)
+        reader = RawReader(publisher.endpoint)
+        reader.sync(engine)
+        for salt in salts:
+            engine.generate(ids, GREEDY, cache_salt=salt)
+        messages = reader.sync(engine)
+        reader.close()
+        worker = router_worker(publisher, loop)
+        run_loop_until(loop, lambda: worker.subscriber.last_seq == reader.seqs[-1] and
+                       worker.num_event_batches == worker.subscriber.num_batches, "the router's view")
+        view = worker.state()["cache_view"], worker.events_tree.stats()["namespaces"]
+        matched = {salt: worker.match(ids, salt) for salt in (*salts, "tenant-c")}
+        worker.stop_events(wait=True)
+        hashes = [engine.prefix_key(ids, salt).block_hashes for salt in salts]
+    loop.close()
+    stored = events_of(messages, "BlockStored")
+    assert [e[1] for e in stored] == hashes
+    assert len({h for e in stored for h in e[1]}) == 6          # no two tenants share a hash
+    assert all(e[2] is None and e[3] == ids[:2 * BS] for e in stored)
+    unsalted, *salted = stored
+    assert len(unsalted) == 7                                    # no extra keys without a salt
+    for event, salt in zip(salted, salts[1:]):
+        assert event[7:] == [None, [[cache_salt_key(salt)], None]]   # lora_name, extra_keys
+    assert not any(salt.encode() in payload for *_, payload in messages for salt in salts[1:])
+    # the router's view of the same stream: one namespace per tenant (the probes are unsalted),
+    # and each tenant's prompt matches its own blocks only
+    assert view == ("events", 3)
+    assert matched == {None: 2 * BS, "tenant-a": 2 * BS, "tenant-b": 2 * BS, "tenant-c": 0}
+
+
+def test_without_token_ids_blocks_are_named_by_hash_and_the_router_routes_on_prompts(tiny):
+    ids = prompt(2 * BS + 3, start=0)
+    loop = asyncio.new_event_loop()
+    with make_engine(tiny, "radix", include_token_ids=False) as engine:
+        publisher = publisher_for(engine)
+        reader = RawReader(publisher.endpoint)
+        reader.sync(engine)
+        engine.generate(ids, GREEDY, cache_salt="tenant-a")
+        messages = reader.sync(engine)
+        reader.close()
+        worker = router_worker(publisher, loop)
+        run_loop_until(loop, lambda: worker.events_tree is None, "the router to drop the events view")
+        key = engine.prefix_key(ids, "tenant-a")
+    loop.close()
+    stored = events_of(messages, "BlockStored")
+    assert stored and all(e[3] == [] for e in stored)           # probes included
+    [event] = [e for e in stored if e[1][0] == key.block_hashes[0]]
+    assert event[1:5] == [key.block_hashes, None, [], BS]
+    assert event[8] == [[cache_salt_key("tenant-a")], None]     # tenants are still told apart
+    assert worker.subscriber is None and worker.state()["cache_view"] == "routed_prompts"
+
+
+def local_non_loopback_address() -> str | None:
+    """An address of this machine that is not loopback (the one its default route uses)."""
+    probe = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    try:
+        probe.connect(("10.255.255.255", 1))   # UDP: picks the interface, sends nothing
+        address = probe.getsockname()[0]
+    except OSError:
+        return None
+    finally:
+        probe.close()
+    return None if address.startswith("127.") else address
+
+
+def test_the_default_endpoint_listens_on_loopback_only(tiny):
+    config = load_config({"model": "tiny", "engine": {"num_blocks": 16, "block_size": BS},
+                          "kv_events": {"enabled": True}}, env={})
+    try:
+        engine = Engine(config, model=tiny)
+    except ConfigError as e:
+        pytest.skip(f"the default port is taken on this machine ({e})")
+    with engine:
+        assert publisher_for(engine).endpoint == "tcp://127.0.0.1:5557"   # the address bound
+        socket.create_connection(("127.0.0.1", 5557), timeout=5).close()
+        address = local_non_loopback_address()
+        if address is not None:
+            with pytest.raises(ConnectionRefusedError):
+                socket.create_connection((address, 5557), timeout=5)
 
 
 def test_a_reset_is_published_as_all_blocks_cleared(tiny):

@@ -2,9 +2,11 @@
 
 A worker caches whole blocks only (``block_size`` token ids, chained by hash), so this radix tree's
 edges are whole blocks: a partial block can never hit on the worker, and a KV event names blocks.
-It is *approximate* in two ways: fed by routed prompts it guesses what the worker keeps (bounded by
-LRU eviction, not by the worker's real pool), and fed by KV events it ignores the ``cache_salt``
-namespace (events carry none), so tenants with equal prompts share a path here but not there.
+It is *approximate*: fed by routed prompts it guesses what the worker keeps (bounded by LRU
+eviction, not by the worker's real pool); fed by KV events it knows what the worker reported, late
+by the events' delay. Either way each tenant has its own namespace: the request's ``cache_salt``
+for routed prompts, the tenant key a chain's first block carries for events (see
+:mod:`corekv.router.workers`), so tenants with equal prompts never share a path, as on the worker.
 """
 from __future__ import annotations
 
@@ -92,14 +94,16 @@ class BlockTree:
 
     # -- event mode -----------------------------------------------------------------------------
     def store(self, block_hashes: Sequence[Hashable], parent_hash: Hashable | None,
-              token_ids: Sequence[int]) -> int:
+              token_ids: Sequence[int], namespace: Hashable = None) -> int:
         """Apply a ``BlockStored`` event: the blocks ``token_ids`` (``block_size`` ids per hash)
-        chained under ``parent_hash`` (``None``: at the root). Returns the blocks placed: 0 when the
-        parent is unknown (it was removed, or its event was missed) or the sizes disagree."""
+        chained under ``parent_hash``, or at the root of ``namespace`` when ``parent_hash`` is
+        ``None`` (a run that continues a chain is in its parent's namespace). Returns the blocks
+        placed: 0 when the parent is unknown (it was removed, or its event was missed) or the sizes
+        disagree."""
         if not block_hashes or len(token_ids) != len(block_hashes) * self.block_size:
             return 0
         if parent_hash is None:
-            node = self._root(None)
+            node = self._root(namespace)
         else:
             node = self.hash_to_node.get(parent_hash)
             if node is None:

@@ -1,13 +1,19 @@
 """The router's view of its workers: health, in-flight load, and what each one has cached.
 
 A worker's cache is known from its KV events when ``GET /admin/info`` announces a publisher
-(``kv_events``), else guessed from the prompts routed to it. A worker that fails (a health check,
-see :mod:`corekv.router.health`, or a forwarded request) leaves the rotation and its cache view is
-dropped: a worker that comes back has usually restarted with an empty cache.
+(``kv_events``) the router can reach and its events carry token ids, else guessed from the prompts
+routed to it. A worker that fails (a health check, see :mod:`corekv.router.health`, or a forwarded
+request) leaves the rotation and its cache view is dropped: a worker that comes back has usually
+restarted with an empty cache.
+
+Tenants stay apart in both views: the routed view is namespaced by the request's ``cache_salt``,
+the events view by the tenant key a salted chain's first block carries in its ``extra_keys``
+(:func:`corekv.kv_events.cache_salt_key`), which the router computes from the request's salt.
 """
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import itertools
 import logging
 import threading
@@ -15,6 +21,7 @@ from collections.abc import Hashable, Sequence
 from typing import Any
 from urllib.parse import urlsplit
 
+from corekv.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, cache_salt_key
 from corekv.router.tree import BlockTree
 
 logger = logging.getLogger(__name__)
@@ -60,7 +67,7 @@ class Worker:
         prefix should still follow it)."""
         if self.events_tree is None:
             return self.routed_tree.match(token_ids, cache_salt)
-        best = self.events_tree.match(token_ids, None)  # NOTE: events carry no salt
+        best = self.events_tree.match(token_ids, _request_namespace(cache_salt))
         for salt, other, _ in self.pending.values():
             if salt == cache_salt and best < len(token_ids):
                 best = max(best, _common_blocks(token_ids, other, self.block_size))
@@ -76,7 +83,8 @@ class Worker:
             self.routed_tree.insert(token_ids, cache_salt)
             num_new = 0
         else:
-            num_new = (len(token_ids) - self.events_tree.match(token_ids, None)) // self.block_size
+            num_cached = self.events_tree.match(token_ids, _request_namespace(cache_salt))
+            num_new = (len(token_ids) - num_cached) // self.block_size
         self.pending[request_id] = (cache_salt, token_ids, num_new)
         return request_id
 
@@ -103,17 +111,26 @@ class Worker:
             self.routed_tree = BlockTree(block_size, max_blocks=self.max_tree_blocks)
 
     def apply_batch(self, seq: int, batch: Any) -> None:
-        """Apply one KV event batch (on the event loop's thread)."""
-        from corekv.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
+        """Apply one KV event batch (on the event loop's thread).
 
+        A stored block without token ids (the worker has ``kv_events.include_token_ids: false``)
+        ends the events view: computing corekv's block hashes from a prompt takes the model's
+        weights, which the router does not load, so hashes alone match nothing, and the prompts
+        routed here are the better guess."""
         tree = self.events_tree
         if tree is None:
             return  # NOTE: a batch queued before the subscriber was closed
         self.num_event_batches += 1
         for event in batch.events:
             if isinstance(event, BlockStored) and event.medium in DEVICE_MEDIA:
-                if event.lora_id is None:
-                    tree.store(event.block_hashes, event.parent_block_hash, event.token_ids)
+                if event.lora_id is not None or event.lora_name is not None:
+                    continue
+                if event.block_hashes and not event.token_ids:
+                    self._route_on_prompts("its KV events carry no token ids "
+                                           "(kv_events.include_token_ids: false)")
+                    return
+                tree.store(event.block_hashes, event.parent_block_hash, event.token_ids,
+                           _chain_namespace(event))
             elif isinstance(event, BlockRemoved) and event.medium in DEVICE_MEDIA:
                 tree.remove(event.block_hashes)
             elif isinstance(event, AllBlocksCleared):
@@ -146,10 +163,16 @@ class Worker:
         try:
             from corekv.kv_events import KVEventSubscriber
 
-            replay = spec.get("replay_endpoint")
+            endpoint, replay = self._reachable(spec["endpoint"]), spec.get("replay_endpoint")
+            replay = self._reachable(replay) if replay else None
+            if endpoint is None:
+                logger.warning("worker %s publishes its KV events on %s, its own loopback, which "
+                               "this router cannot reach; routing on the prompts sent to it "
+                               "instead (set kv_events.endpoint to tcp://*:PORT there to let "
+                               "routers on other machines subscribe)", self.url, spec["endpoint"])
+                return
             subscriber = KVEventSubscriber(
-                self._reachable(spec["endpoint"]),
-                replay_endpoint=self._reachable(replay) if replay else None,
+                endpoint, replay_endpoint=replay,
                 topic=spec.get("topic") or "",
                 on_batch=lambda seq, batch: loop.call_soon_threadsafe(self.apply_batch, seq, batch),
                 on_restart=lambda: loop.call_soon_threadsafe(self.clear_events_view),
@@ -174,13 +197,52 @@ class Worker:
                              daemon=True).start()
 
     # -- helpers --------------------------------------------------------------------------------
-    def _reachable(self, endpoint: str) -> str:
-        """A publisher bound to every interface (``tcp://*:5557``) is reached at the worker's host."""
+    def _route_on_prompts(self, reason: str) -> None:
+        """Drop the events view for the routed-prompt one, seeded with the prompts in flight."""
+        logger.warning("worker %s: %s; routing on the prompts sent to it instead", self.url, reason)
+        self.stop_events()
+        for salt, token_ids, _ in self.pending.values():
+            self.routed_tree.insert(token_ids, salt)
+
+    def _reachable(self, endpoint: str) -> str | None:
+        """The address this router subscribes at: a publisher bound to every interface
+        (``tcp://*:5557``) is reached at the worker's host; ``None`` for one on the worker's
+        loopback when the worker is on another machine (NOTE: connecting would reach this
+        machine's loopback instead, perhaps another worker's publisher)."""
         scheme, _, rest = endpoint.partition("://")
         host, sep, port = rest.rpartition(":")
         if scheme == "tcp" and sep and host in ("*", "0.0.0.0", "[::]", "::"):
             return f"tcp://{urlsplit(self.url).hostname}:{port}"
+        if scheme == "tcp" and sep and _is_loopback(host) and not _is_loopback(
+                urlsplit(self.url).hostname or ""):
+            return None
         return endpoint
+
+
+def _request_namespace(cache_salt: Hashable) -> Hashable:
+    """The events view's namespace of a request's blocks: what :func:`_chain_namespace` reads
+    from the first block of a chain the worker stored for this salt."""
+    key = cache_salt_key(cache_salt) if isinstance(cache_salt, str) else None
+    return None if key is None else (key,)
+
+
+def _chain_namespace(event: BlockStored) -> Hashable:
+    """The namespace of a chain that ``event`` starts: its first block's extra keys (a salted
+    chain's tenant key; ``None`` without any). NOTE: a chain whose extra keys hold anything else
+    (another publisher's keys) gets a namespace of its own that no request maps to: it is never
+    merged with a tenant's blocks, only never matched."""
+    first = event.extra_keys[0] if event.extra_keys else None
+    return tuple(first) if first else None
+
+
+def _is_loopback(host: str) -> bool:
+    host = host.strip("[]")
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 def _common_blocks(a: Sequence[int], b: Sequence[int], block_size: int) -> int:

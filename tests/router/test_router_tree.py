@@ -51,14 +51,29 @@ def test_events_store_under_parent_and_remove_with_subtree():
     assert tree.store([b"d"], b"c", [5, 6]) == 0  # c went with b
 
 
+def test_chains_of_two_namespaces_never_share_a_path():
+    tree = BlockTree(BLOCK)
+    tree.store([b"a1", b"a2"], None, [1, 2, 3, 4], ("tenant-a",))
+    tree.store([b"b1"], None, [1, 2], ("tenant-b",))   # equal tokens, another tenant
+    tree.store([b"a3"], b"a2", [5, 6])                  # continues tenant a's chain
+    assert tree.num_blocks == 4 and tree.stats()["namespaces"] == 2
+    assert tree.match([1, 2, 3, 4, 5, 6], ("tenant-a",)) == 6
+    assert tree.match([1, 2, 3, 4, 5, 6], ("tenant-b",)) == 2
+    assert tree.match([1, 2], None) == 0
+    tree.remove([b"a1"])
+    assert tree.match([1, 2], ("tenant-a",)) == 0 and tree.match([1, 2], ("tenant-b",)) == 2
+
+
 def test_a_path_named_by_two_hashes_stays_until_both_are_removed():
     tree = BlockTree(BLOCK)
-    tree.store([b"salt1"], None, [1, 2])  # equal tokens, two salts: two hashes, one path here
-    tree.store([b"salt2"], None, [1, 2])
+    # equal tokens in one namespace, two hashes: keys this tree does not model went into them
+    # (vLLM's multimodal hashes, say)
+    tree.store([b"h1"], None, [1, 2])
+    tree.store([b"h2"], None, [1, 2])
     assert tree.num_blocks == 1
-    tree.remove([b"salt1"])
+    tree.remove([b"h1"])
     assert tree.match([1, 2]) == 2
-    tree.remove([b"salt2"])
+    tree.remove([b"h2"])
     assert tree.match([1, 2]) == 0 and tree.num_blocks == 0
 
 
@@ -126,17 +141,18 @@ def test_routed_prompts_tree_agrees_with_an_lru_oracle(ops, max_blocks):
 
 
 class EventsOracle:
-    """Live hashes with the path each names; a hash whose path lost a prefix is dropped."""
+    """Live hashes with the path each names, the path's first element being its namespace; a hash
+    whose path lost a prefix is dropped."""
 
     def __init__(self):
         self.path_of = {}
 
-    def store(self, hashes, parent, token_ids):
+    def store(self, hashes, parent, token_ids, namespace):
         if len(token_ids) != len(hashes) * BLOCK or not hashes:
             return
         if parent is not None and parent not in self.path_of:
             return
-        path = () if parent is None else self.path_of[parent]
+        path = (namespace,) if parent is None else self.path_of[parent]
         for h, block in zip(hashes, _blocks(token_ids)):
             if h in self.path_of:
                 path = self.path_of[h]
@@ -150,23 +166,25 @@ class EventsOracle:
         while True:
             live = set(self.path_of.values())
             dead = [h for h, p in self.path_of.items()
-                    if any(p[:end] not in live for end in range(1, len(p)))]
+                    if any(p[:end] not in live for end in range(2, len(p)))]
             if not dead:
                 return
             for h in dead:
                 del self.path_of[h]
 
-    def match(self, token_ids):
+    def match(self, token_ids, namespace):
         blocks, live, n = _blocks(token_ids), set(self.path_of.values()), 0
-        while n < len(blocks) and blocks[:n + 1] in live:
+        while n < len(blocks) and (namespace,) + blocks[:n + 1] in live:
             n += 1
         return n * BLOCK
 
 
 hashes = st.integers(0, 11)
+namespaces = st.sampled_from([None, ("tenant-a",), ("tenant-b",)])
 event = st.one_of(
     st.tuples(st.just("store"), st.lists(hashes, min_size=1, max_size=3, unique=True),
-              st.one_of(st.none(), hashes), st.lists(st.integers(0, 2), min_size=2, max_size=6)),
+              st.one_of(st.none(), hashes), st.lists(st.integers(0, 2), min_size=2, max_size=6),
+              namespaces),
     st.tuples(st.just("remove"), st.lists(hashes, max_size=3)),
     st.tuples(st.just("clear")))
 
@@ -177,9 +195,10 @@ def test_events_tree_agrees_with_a_path_oracle(events, probes):
     tree, oracle = BlockTree(BLOCK), EventsOracle()
     for e in events:
         if e[0] == "store":
-            # NOTE: token ids drawn per event; whole blocks only when the lengths agree
-            tree.store(e[1], e[2], e[3])
-            oracle.store(e[1], e[2], e[3])
+            # NOTE: token ids drawn per event; whole blocks only when the lengths agree; the
+            # namespace counts only for a chain's start (parent None)
+            tree.store(e[1], e[2], e[3], e[4])
+            oracle.store(e[1], e[2], e[3], e[4])
         elif e[0] == "remove":
             tree.remove(e[1])
             oracle.remove(e[1])
@@ -188,5 +207,6 @@ def test_events_tree_agrees_with_a_path_oracle(events, probes):
             oracle.path_of.clear()
         assert set(tree.hash_to_node) == set(oracle.path_of)
         assert tree.num_blocks == len(set(oracle.path_of.values()))
-        for probe in probes + [list(sum(p, ())) for p in oracle.path_of.values()]:
-            assert tree.match(probe) == oracle.match(probe)
+        paths = [(p[0], list(sum(p[1:], ()))) for p in oracle.path_of.values()]
+        for namespace, probe in [(n, p) for p in probes for n in (None, ("tenant-a",))] + paths:
+            assert tree.match(probe, namespace) == oracle.match(probe, namespace)
