@@ -49,11 +49,11 @@ class EngineConfig:
     enable_chunked_prefill: bool = _field(True, "split long prompts across steps so decodes keep "
                                           "running; off: a prompt is prefilled in one step")
     compile: bool = _field(False, "compile the model's forward with torch.compile (inductor; "
-                           "corekv's paged attention stays one opaque op) when the engine starts (1-2 "
-                           "minutes on 2 cores), and on CPU build corekv's native kernels (paged decode and "
-                           "prefill attention, the linears of decode-sized steps; g++ and ninja, once per "
-                           "machine); W1 then runs 22-34% and W2 4-14% faster here; bfloat16's greedy tokens "
-                           "are not bit-identical to eager bfloat16's")
+                           "corekv's paged attention stays one opaque op) when the engine starts, and on "
+                           "CPU build corekv's native kernels (paged decode and prefill attention, the "
+                           "linears of decode-sized steps; g++ and ninja, once per machine): faster steps "
+                           "for a start-up cost of a minute or two; bfloat16's greedy tokens are not "
+                           "bit-identical to eager bfloat16's")
     tune_cpu_malloc: bool = _field(True, "on a CPU device with glibc: keep freed activation "
                                    "buffers in the heap (mallopt) instead of page-faulting them in "
                                    "again every layer; off: leave the process's malloc as it is")
@@ -157,8 +157,10 @@ class KVEventsConfig:
     events (msgpack batches on a ZMQ PUB socket, with an optional replay socket)."""
 
     enabled: bool = _field(False, "publish KV events (needs pyzmq and msgpack: corekv[events])")
-    endpoint: str = _field("tcp://*:5557", "the PUB socket: bound when the host is *, :: or a "
-                           "loopback address (or ipc://, inproc://), else connected to", **_ZMQ_ADDRESS)
+    endpoint: str = _field("tcp://127.0.0.1:5557", "the PUB socket: bound when the host is *, :: "
+                           "or a loopback address (or ipc://, inproc://), else connected to; the "
+                           "default listens on loopback, for subscribers on this machine only "
+                           "(tcp://*:5557 listens on every interface: firewall it)", **_ZMQ_ADDRESS)
     replay_endpoint: str | None = _field(None, "a ROUTER socket (always bound) that resends "
                                          "buffered batches from a sequence number; none: no replay",
                                          **_ZMQ_ADDRESS)
@@ -167,6 +169,10 @@ class KVEventsConfig:
     buffer_steps: int = _field(10000, "batches kept for replay", minimum=1)
     hwm: int = _field(100000, "most batches waiting to be sent (the publisher queue and the PUB "
                       "socket's high-water mark); past it batches are dropped and counted", minimum=1)
+    include_token_ids: bool = _field(True, "send each stored block's token ids (false: empty lists, "
+                                     "so subscribers cannot read prompts, and a router cannot "
+                                     "match prompts to the blocks: corekv route then routes on the "
+                                     "prompts it sent)")
 
     def __post_init__(self) -> None:
         # NOTE: port 0 asks for a free port, so two sockets may both say tcp://127.0.0.1:0.
@@ -175,7 +181,7 @@ class KVEventsConfig:
 
             raise ConfigError(f"kv_events.replay_endpoint: got {self.replay_endpoint!r}, the same "
                               "address as kv_events.endpoint; expected another port or path, e.g. "
-                              "tcp://*:5558", path="kv_events.replay_endpoint")
+                              "tcp://127.0.0.1:5558", path="kv_events.replay_endpoint")
 
 
 @dataclass(frozen=True)
