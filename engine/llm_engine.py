@@ -272,7 +272,8 @@ class Engine(EngineAPI):
         if namespace is None:
             namespace = self._namespaces[cache_salt] = chain_seed(
                 self.model.fingerprint, self.block_size, cache_salt, algorithm=self.config.cache.hash)
-        return PrefixKey(token_ids, self.block_size, namespace, self.config.cache.hash)
+        return PrefixKey(token_ids, self.block_size, namespace, self.config.cache.hash,
+                         cache_salt=cache_salt)
 
     def encode(self, prompt: Any, *, add_generation_prompt: bool = True) -> list[int]:
         """Token ids of a prompt (str, token ids, or chat messages with the chat template)."""
