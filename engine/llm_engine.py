@@ -32,7 +32,8 @@ from corekv.engine.sampling import Sampler, SamplingParams, make_generator
 from corekv.engine.scheduler import ScheduledSeq, Scheduler
 from corekv.engine.sequence import Sequence
 from corekv.engine.tiering import make_cache_manager
-from corekv.engine.requests import Request, RequestRejectedError, check_request_fits, make_output
+from corekv.engine.requests import (Request, RequestRejectedError, check_prompt_chars, check_request_fits,
+                                    make_output, max_prompt_chars)
 
 __all__ = ["Engine", "RequestRejectedError"]
 
@@ -109,6 +110,9 @@ class Engine(EngineAPI):
                                    scheduling=ecfg.scheduling, enable_chunked_prefill=self.enable_chunked_prefill,
                                    eos_token_ids=m.eos_token_ids, make_fork=self._fork)
         self.max_model_len = getattr(m.hf_config, "max_position_embeddings", None)
+        #: prompts with more characters can never fit (see requests.max_prompt_chars); None: no bound
+        self.max_prompt_chars = max_prompt_chars(
+            min(num_blocks * self.block_size, self.max_model_len or num_blocks * self.block_size), m.tokenizer)
         self.num_steps = 0
         self._requests: dict[str, Request] = {}
         self._request_counter = itertools.count()
@@ -276,7 +280,12 @@ class Engine(EngineAPI):
                          cache_salt=cache_salt)
 
     def encode(self, prompt: Any, *, add_generation_prompt: bool = True) -> list[int]:
-        """Token ids of a prompt (str, token ids, or chat messages with the chat template)."""
+        """Token ids of a prompt (str, token ids, or chat messages with the chat template).
+
+        :raises RequestRejectedError: a prompt with more characters than :attr:`max_prompt_chars`,
+            before it is tokenized.
+        """
+        check_prompt_chars(prompt, self.max_prompt_chars)
         if not add_generation_prompt and isinstance(prompt, (list, tuple)) and prompt and all(
                 isinstance(m, Mapping) for m in prompt):
             if getattr(self.model.tokenizer, "chat_template", None) is None:

@@ -13,7 +13,11 @@ from corekv.engine.sequence import Sequence
 from corekv.config_values import describe_value
 
 __all__ = ["Request", "RequestRejectedError", "as_prompt_list", "per_prompt", "check_request_fits",
-           "make_output"]
+           "check_prompt_chars", "max_prompt_chars", "num_prompt_chars", "make_output"]
+
+#: characters a normalizer may compose into one: NFC/NFKC join a base character and its marks
+#: (Greek: up to 3 marks; Hangul: 3 jamo into one syllable) into one code point
+MAX_COMPOSED_CHARS = 4
 
 
 class RequestRejectedError(CoreKVError, ValueError):
@@ -99,6 +103,46 @@ def check_request_fits(num_prompt_tokens: int, params: SamplingParams, *, num_bl
     if params.n > max_num_seqs:
         raise RequestRejectedError(f"SamplingParams.n={params.n} exceeds engine.max_num_seqs="
                                    f"{max_num_seqs}; lower n or raise engine.max_num_seqs")
+
+
+def max_prompt_chars(max_tokens: int, tokenizer: Any) -> int | None:
+    """The most characters a prompt of at most ``max_tokens`` tokens of ``tokenizer`` can have
+    (None when the tokenizer's vocabulary cannot be read): longer prompts are refused without
+    tokenizing them, which for a huge prompt costs far more than the refusal.
+
+    NOTE: the bound is sound, not a guess: every character of a prompt lies in some token, and a
+    token covers at most as many characters as its vocabulary entry has (byte-level BPE spells
+    each byte as one character and a character is at least one byte; SentencePiece spells
+    characters as themselves, its byte fallbacks cover less than one), times
+    MAX_COMPOSED_CHARS for normalizers that compose characters. A tokenizer whose normalizer
+    deletes characters (control-character cleanup) may see a prompt made mostly of those refused.
+    """
+    try:
+        longest = max(len(token) for token in tokenizer.get_vocab())
+    except (AttributeError, TypeError, ValueError):  # NOTE: no vocabulary: no bound
+        return None
+    return max_tokens * longest * MAX_COMPOSED_CHARS
+
+
+def num_prompt_chars(prompt: Any) -> int:
+    """The characters of a prompt that tokenizing would read: a string's, or chat messages'
+    contents (token ids: 0, they are not tokenized)."""
+    if isinstance(prompt, str):
+        return len(prompt)
+    if isinstance(prompt, (list, tuple)):
+        return sum(len(m["content"]) for m in prompt
+                   if isinstance(m, Mapping) and isinstance(m.get("content"), str))
+    return 0
+
+
+def check_prompt_chars(prompt: Any, max_chars: int | None) -> None:
+    """Raise :class:`RequestRejectedError` if ``prompt`` has more than ``max_chars`` characters."""
+    num_chars = num_prompt_chars(prompt)
+    if max_chars is not None and num_chars > max_chars:
+        raise RequestRejectedError(
+            f"a prompt of {num_chars} characters cannot fit: its tokens would exceed the "
+            f"model's context or the KV pool (no prompt over {max_chars} "
+            "characters fits, whatever its text); shorten the prompt")
 
 
 def make_output(request: Request) -> RequestOutput:

@@ -38,8 +38,8 @@ from corekv.router.policy import CacheAwarePolicy, RoundRobinPolicy
 from corekv.router.health import WorkerPool
 from corekv.router.workers import Worker
 from corekv.server.auth import APIKeyGuard, check_api_key
-from corekv.server.limits import (DEFAULT_MAX_REQUEST_BYTES, BodyLimit, check_max_request_bytes,
-                                  num_prompt_chars)
+from corekv.engine.requests import num_prompt_chars
+from corekv.server.limits import DEFAULT_MAX_REQUEST_BYTES, BodyLimit, check_max_request_bytes
 from corekv.server.protocol import APIError, parse_json
 
 logger = logging.getLogger(__name__)

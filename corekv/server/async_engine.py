@@ -26,7 +26,6 @@ from corekv.engine.requests import RequestRejectedError
 from corekv.errors import CoreKVError
 from corekv.engine.sampling import SamplingParams
 from corekv.engine.streaming import TextStream
-from corekv.server.limits import max_prompt_chars, num_prompt_chars
 
 __all__ = ["AsyncEngine", "Delta", "EngineStepError", "EngineUnavailableError", "RequestHandle"]
 
@@ -109,8 +108,8 @@ class AsyncEngine:
     def __init__(self, engine: Any, *, close_engine: bool = False):
         self.engine = engine
         self.close_engine = close_engine
-        #: longer prompts can never fit the engine (see limits.max_prompt_chars); None: no bound
-        self.max_prompt_chars = max_prompt_chars(engine)
+        #: longer prompts can never fit the engine (``Engine.max_prompt_chars``); None: no bound
+        self.max_prompt_chars = engine.max_prompt_chars
         self.dead_reason: str | None = None
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._active: dict[str, _Active] = {}
@@ -135,14 +134,8 @@ class AsyncEngine:
         return self._thread.is_alive() and self.dead_reason is None
 
     async def encode(self, prompt: Any, *, add_generation_prompt: bool = True) -> list[int]:
-        """``engine.encode(prompt)`` on a worker thread; a prompt with more characters than
-        :attr:`max_prompt_chars` is refused (:class:`RequestRejectedError`) without tokenizing it."""
-        num_chars = num_prompt_chars(prompt)
-        if self.max_prompt_chars is not None and num_chars > self.max_prompt_chars:
-            raise RequestRejectedError(
-                f"a prompt of {num_chars} characters cannot fit: its tokens would exceed the "
-                f"model's context or the KV pool (no prompt over {self.max_prompt_chars} "
-                "characters fits, whatever its text); shorten the prompt")
+        """``engine.encode(prompt)`` on a worker thread (a prompt longer than
+        :attr:`max_prompt_chars` is refused there without being tokenized)."""
         return await asyncio.to_thread(self.engine.encode, prompt,
                                        add_generation_prompt=add_generation_prompt)
 

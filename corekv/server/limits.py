@@ -1,6 +1,6 @@
 """How big a request may be, checked before the work its size would cost: the body's bytes
 (:class:`BodyLimit`, 413 before the body is read whole) and the prompt's characters
-(:func:`max_prompt_chars`, refused before the prompt is tokenized).
+(``Engine.max_prompt_chars``, refused before the prompt is tokenized).
 
 Both ``corekv serve`` and ``corekv route`` put :class:`BodyLimit` in front of their app. It is
 plain ASGI, so it works with every Starlette the server supports and rejects a declared length
@@ -8,22 +8,17 @@ before any route runs.
 """
 from __future__ import annotations
 
-from collections.abc import Mapping
 from typing import Any
 
 from starlette.responses import JSONResponse
 
 from corekv.server.protocol import APIError
 
-__all__ = ["BodyLimit", "DEFAULT_MAX_REQUEST_BYTES", "check_max_request_bytes", "max_prompt_chars",
-           "num_prompt_chars"]
+__all__ = ["BodyLimit", "DEFAULT_MAX_REQUEST_BYTES", "check_max_request_bytes"]
 
 #: the default body limit: room for a long context as text or as token ids, and far below what
 #: would strain the server's memory
 DEFAULT_MAX_REQUEST_BYTES = 4 * 1024 * 1024
-#: characters a normalizer may compose into one: NFC/NFKC join a base character and its marks
-#: (Greek: up to 3 marks; Hangul: 3 jamo into one syllable) into one code point
-MAX_COMPOSED_CHARS = 4
 
 
 class BodyLimit:
@@ -83,35 +78,3 @@ def check_max_request_bytes(value: Any, name: str = "max_request_bytes") -> int:
         raise ValueError(f"{name} must be an integer number of bytes >= 1, got {value!r}; pass e.g. "
                          f"{DEFAULT_MAX_REQUEST_BYTES} (4 MiB, the default)")
     return value
-
-
-def max_prompt_chars(engine: Any) -> int | None:
-    """The most characters a prompt that ``engine`` could ever take can have (None when its
-    tokenizer's vocabulary cannot be read): longer prompts are refused without tokenizing them.
-
-    NOTE: the bound is sound, not a guess: every character of a prompt lies in some token, and a
-    token covers at most as many characters as its vocabulary entry has (byte-level BPE spells
-    each byte as one character and a character is at least one byte; SentencePiece spells
-    characters as themselves, its byte fallbacks cover less than one), times
-    MAX_COMPOSED_CHARS for normalizers that compose characters. A tokenizer whose normalizer
-    deletes characters (control-character cleanup) may see a prompt made mostly of those refused.
-    """
-    max_tokens = engine.backend.num_blocks * engine.block_size  # the KV pool holds no more
-    if engine.max_model_len is not None:
-        max_tokens = min(max_tokens, engine.max_model_len)
-    try:
-        longest = max(len(token) for token in engine.model.tokenizer.get_vocab())
-    except (AttributeError, TypeError, ValueError):  # NOTE: no vocabulary: no bound but the body's
-        return None
-    return max_tokens * longest * MAX_COMPOSED_CHARS
-
-
-def num_prompt_chars(prompt: Any) -> int:
-    """The characters of a prompt that tokenizing would read: a string's, or chat messages'
-    contents (token ids: 0, they are not tokenized)."""
-    if isinstance(prompt, str):
-        return len(prompt)
-    if isinstance(prompt, (list, tuple)):
-        return sum(len(m["content"]) for m in prompt
-                   if isinstance(m, Mapping) and isinstance(m.get("content"), str))
-    return 0

@@ -141,6 +141,26 @@ def test_a_request_that_can_never_fit_is_rejected_at_add_time(tiny_llama):
         assert engine.generate([1] * 40, SamplingParams(max_tokens=10))[0].finish_reason in ("stop", "length")
 
 
+def test_a_prompt_with_more_characters_than_could_ever_fit_is_refused_before_tokenizing(tiny_llama):
+    """A huge prompt costs its tokenization (seconds for megabytes) before the token count can
+    refuse it: the engine refuses it by its characters first, for every call that encodes."""
+    with make_engine(tiny_llama, num_blocks=4, block_size=16) as engine:
+        bound = engine.max_prompt_chars
+        assert bound is not None and bound >= 4 * 16  # the byte tokenizer: a character per token
+        encode = engine.model.encode_prompt
+        engine.model.encode_prompt = lambda prompt: pytest.fail("the prompt was tokenized")
+        try:
+            for call in (lambda p: engine.generate(p), lambda p: engine.add_request(p),
+                         lambda p: engine.warm(p)):
+                with pytest.raises(RequestRejectedError, match=rf"no prompt over {bound} characters fits"):
+                    call("x" * (bound + 1))
+            with pytest.raises(RequestRejectedError, match="characters cannot fit"):
+                engine.generate([[{"role": "user", "content": "x" * (bound + 1)}]])
+        finally:
+            engine.model.encode_prompt = encode
+        assert engine.stats()["num_waiting"] == 0
+
+
 def test_batch_arguments_are_validated_before_anything_runs(tiny_llama):
     with make_engine(tiny_llama) as engine:
         with pytest.raises(ValueError, match="sampling_params is a list of 1 but there are 2 prompts"):
