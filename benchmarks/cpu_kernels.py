@@ -5,17 +5,17 @@
 * ``linears``: one decoder step's seven Linear weights of all 30 layers (so they stream from memory
   as in the engine) at 1 to 1,024 rows: ``F.linear`` on the row-major weight, on the transposed
   layout corekv stores for float32, the native kernel on a copy packed into 64-column panels
-  (engine/small_linear.cpp, what ``engine.compile`` runs for a decode step's rows: float32 from
+  (engine/cpu/small_linear.cpp, what ``engine.compile`` runs for a decode step's rows: float32 from
   session 6, bfloat16 from session 7), on a oneDNN-packed copy, and (bfloat16) multiplied in
   float32 after upcasting input and weight (what corekv does from 128 rows).
 * ``prefill attention``: W2's step shape (8 chunks of 128 tokens after a shared 384-token cached
   prefix, 9 query and 3 KV heads of 64, one layer): eight masked SDPA calls over gathered contexts
   (corekv's path for single chunks) against a :class:`PrefillGroup`-style shared call plus one
   batched causal call merged through log-sum-exps, and (session 6) the native prefill kernel that
-  ``engine.compile`` builds, reading a real KVPool's layer views (engine/paged_attention.cpp).
+  ``engine.compile`` builds, reading a real KVPool's layer views (engine/cpu/paged_attention.cpp).
 * ``decode attention`` (session 5): W1's and W2's decode shapes over a real KVPool's layer views,
   the torch path (gather the blocks, SDPA with a padding mask) against the native kernel that
-  ``engine.compile`` builds (engine/paged_attention.cpp).
+  ``engine.compile`` builds (engine/cpu/paged_attention.cpp).
 
 Medians of ``--repeats`` runs, milliseconds; each table's ratios are against its first column.
 """
@@ -48,7 +48,7 @@ def linears(dtype, repeats):
     if dtype == torch.float32:
         variants["transposed layout"] = ([[w.t().contiguous().t() for w in layer] for layer in layers],
                                          lambda x, w: F.linear(x, w))
-    from corekv.engine.native_attention import load_native_attention
+    from corekv.engine.cpu.native import load_native_attention
 
     kernels = load_native_attention()
     variants["native panels"] = ([[kernels.pack_linear_weight(w) for w in layer] for layer in layers],
@@ -76,7 +76,7 @@ def linears(dtype, repeats):
 
 def prefill_attention(repeats):
     from corekv.engine.kv_pool import KVPool
-    from corekv.engine.native_attention import load_native_attention
+    from corekv.engine.cpu.native import load_native_attention
 
     heads, kv_heads, dim, n, shared, chunks = 9, 3, 64, 128, 384, 8
     tokens = n * chunks
@@ -135,7 +135,7 @@ def decode_attention(repeats):
     """Decode attention over a real KVPool's layer views: the torch path (gather the rows' blocks,
     SDPA with a padding mask) against the native kernel, at W1's and W2's decode shapes."""
     from corekv.engine.kv_pool import KVPool
-    from corekv.engine.native_attention import load_native_attention
+    from corekv.engine.cpu.native import load_native_attention
 
     native = load_native_attention().decode
     lines = [f"**Decode attention, one layer, pool of 1,000 blocks x 30 layers** (us; medians of {repeats})", "",

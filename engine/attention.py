@@ -157,7 +157,7 @@ def _paged_attention(meta: AttentionMetadata, layer_idx: int, query, key, value,
 def _decode_attention(q, k_cache, v_cache, group: DecodeGroup, meta: AttentionMetadata, scaling) -> torch.Tensor:
     """Attention of one group's decode queries ``[B, Hkv, G, D]`` over their blocks."""
     if meta.native is not None:
-        # NOTE: reads each row's own blocks in the pool in one call, no gather (native_attention.py)
+        # NOTE: reads each row's own blocks in the pool in one call, no gather (engine/cpu/native.py)
         out_own, lse_own = meta.native.decode(q, k_cache, v_cache, group.block_tables, group.context_lens, scaling)
         if group.shared_blocks is None:
             return out_own.to(q.dtype)

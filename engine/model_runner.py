@@ -17,10 +17,10 @@ import torch
 from corekv.errors import CoreKVError
 from corekv.engine.attention import ATTENTION_NAME, forward_context
 from corekv.engine.step_metadata import AttentionMetadata, DecodeGroup, PrefillBatch, PrefillGroup, PrefillSlice
-from corekv.engine.cpu_linears import use_native_linears
+from corekv.engine.cpu.linears import use_native_linears
 from corekv.engine.kv_pool import KVPool
 from corekv.engine.models import LoadedModel
-from corekv.engine.native_attention import NATIVE_DTYPES, load_native_attention
+from corekv.engine.cpu.native import NATIVE_DTYPES, load_native_attention
 
 
 @dataclass

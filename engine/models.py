@@ -233,7 +233,7 @@ def reference_attention(loaded: LoadedModel, implementation: str = "sdpa"):
 def prepare_model(hf_model: Any, tokenizer: Any, *, device: Any, attention: str | None = None) -> LoadedModel:
     """Check, move and wrap an already built HF causal LM (used by :func:`load_model` and tests)."""
     from corekv.engine.attention import ATTENTION_NAME
-    from corekv.engine.cpu_linears import prepare_linear_weights
+    from corekv.engine.cpu.linears import prepare_linear_weights
 
     config = hf_model.config
     check_architecture(config)

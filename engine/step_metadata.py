@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 import torch
 
 from corekv.engine.kv_pool import KVPool
-from corekv.engine.native_attention import NativeKernels
+from corekv.engine.cpu.native import NativeKernels
 
 
 @dataclass
@@ -102,7 +102,7 @@ class AttentionMetadata:
     prefill_batch: PrefillBatch | None = None
     #: reusable gather buffers by name (owned by the runner, kept across steps; see ``_gather``)
     buffers: dict[str, torch.Tensor] = field(default_factory=dict)
-    #: the native attention kernels (:mod:`corekv.engine.native_attention`), or None for the torch path
+    #: the native attention kernels (:mod:`corekv.engine.cpu.native`), or None for the torch path
     native: NativeKernels | None = None
     #: attention calls seen this forward; the runner checks it equals the number of layers, so a
     #: model that bypasses the AttentionInterface fails loudly instead of leaving the pool unwritten

@@ -19,7 +19,7 @@ pytestmark = pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="mallo
 # A prefill layer's pattern: several activations of a few MB alive at once, then all freed.
 _CHILD = """
 import ctypes, json, resource, sys
-from corekv.engine.cpu_malloc import tune_glibc_malloc
+from corekv.engine.cpu.malloc import tune_glibc_malloc
 applied = tune_glibc_malloc() if sys.argv[1] == "tuned" else False
 libc = ctypes.CDLL("libc.so.6")
 libc.malloc.restype, libc.malloc.argtypes, libc.free.argtypes = ctypes.c_void_p, [ctypes.c_size_t], [ctypes.c_void_p]

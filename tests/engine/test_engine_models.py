@@ -11,7 +11,7 @@ import torch
 
 from corekv.errors import CoreKVError
 from corekv.engine import models
-from corekv.engine.cpu_linears import BF16_UPCAST_MIN_ROWS, prepare_linear_weights
+from corekv.engine.cpu.linears import BF16_UPCAST_MIN_ROWS, prepare_linear_weights
 from corekv.engine.models import check_architecture, load_model, make_tiny_llama
 
 

@@ -1,4 +1,4 @@
-"""corekv's native attention kernels (engine/paged_attention.cpp, really built with g++ here) against
+"""corekv's native attention kernels (engine/cpu/paged_attention.cpp, really built with g++ here) against
 a float64 softmax over the same blocks; their checks; the build (a failed one: test_engine_compile.py)."""
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from corekv.engine.kv_pool import KVPool
-from corekv.engine.native_attention import load_native_attention
+from corekv.engine.cpu.native import load_native_attention
 
 
 def reference(q, k_pool, v_pool, tables, lens, scale):
@@ -201,7 +201,7 @@ def test_the_build_finds_the_ninja_wheel_when_no_ninja_is_on_path(tmp_path):
             (tools / name).symlink_to(shutil.which(name))
     env = dict(os.environ, PATH=str(tools), TORCH_EXTENSIONS_DIR=str(tmp_path / "ext"))
     code = ("import shutil; assert shutil.which('ninja') is None\n"
-            "from corekv.engine.native_attention import load_native_attention\n"
+            "from corekv.engine.cpu.native import load_native_attention\n"
             "load_native_attention(); print('BUILT', shutil.which('ninja'))\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=600)
     assert "BUILT " in out.stdout and out.stdout.strip().endswith("ninja"), out.stdout + out.stderr[-2000:]
@@ -258,7 +258,7 @@ def test_native_linears_serve_only_a_native_runners_decode_sized_steps(dtype, mo
     Face calls, fewer or more rows, a torch-path runner's steps (bfloat16: oneDNN's packed GEMM, or
     float32 from 128 rows). Wiring twice packs nothing again. The kernel's calls are counted (the
     real kernel, wrapped): at this size its bfloat16 results equal oneDNN's bit for bit."""
-    from corekv.engine import cpu_linears, native_attention
+    from corekv.engine.cpu import linears, native as native_kernels
     from corekv.engine.attention import forward_context
     from corekv.engine.model_runner import ModelRunner
     from corekv.engine.models import make_tiny_llama
@@ -267,7 +267,7 @@ def test_native_linears_serve_only_a_native_runners_decode_sized_steps(dtype, mo
     loaded = make_tiny_llama(dtype=dtype)  # its own model: wiring changes the modules' forward
     pool = KVPool(loaded.num_layers, 8, 16, loaded.num_kv_heads, loaded.head_dim, loaded.dtype, "cpu")
     module = next(m for m in loaded.model.modules() if isinstance(m, torch.nn.Linear) and m.weight.shape[0] == 128)
-    least, most = cpu_linears.NATIVE_LINEAR_ROWS[loaded.dtype]
+    least, most = linears.NATIVE_LINEAR_ROWS[loaded.dtype]
     all_rows = sorted({1, least - 1, least, most, most + 1, 200} - {0})
     inputs = {rows: torch.randn(1, rows, module.weight.shape[1]).to(loaded.dtype) for rows in all_rows}
     before = {rows: module(x) for rows, x in inputs.items()}  # the forward before any runner wired it
@@ -278,14 +278,14 @@ def test_native_linears_serve_only_a_native_runners_decode_sized_steps(dtype, mo
     panels = module._corekv_packed.panels
     ModelRunner(loaded, pool, native=True)
     assert module._corekv_packed.panels is panels
-    handle = next(i for i, ref in enumerate(cpu_linears._PACKED) if ref() is module._corekv_packed)
+    handle = next(i for i, ref in enumerate(linears._PACKED) if ref() is module._corekv_packed)
     op = torch.ops.corekv.float32_linear if dtype == "float32" else torch.ops.corekv.bfloat16_linear
     kernel, calls = runner._native.small_linear, []
 
     def counted(*args):
         calls.append(args[0].shape[0])
         return kernel(*args)
-    monkeypatch.setattr(native_attention, "_kernels", runner._native._replace(small_linear=counted))
+    monkeypatch.setattr(native_kernels, "_kernels", runner._native._replace(small_linear=counted))
     native = AttentionMetadata(kv_pool=pool, slot_block_ids=torch.zeros(0), slot_offsets=torch.zeros(0),
                                native=runner._native)
     plain = AttentionMetadata(kv_pool=pool, slot_block_ids=torch.zeros(0), slot_offsets=torch.zeros(0))

@@ -105,7 +105,7 @@ def _native_rows(x: torch.Tensor, weight: torch.Tensor) -> bool:
 
 def _native_matmul(x, weight, bias, panels):
     """``F.linear(x, weight, bias)`` by the native kernel on ``weight``'s panels."""
-    from corekv.engine.native_attention import load_native_attention
+    from corekv.engine.cpu.native import load_native_attention
 
     out = load_native_attention().small_linear(x.reshape(-1, weight.shape[1]), panels, bias)
     return out.view(*x.shape[:-1], weight.shape[0])

@@ -1,6 +1,6 @@
 // corekv's native linear for few rows (engine.compile on CPU): out = x @ W^T + b for the 1-32 rows
 // of a decode step, from a copy of W (float32 or bfloat16) packed once into column panels
-// [N / 64, K, 64], each panel streamed from memory once per call (see engine/cpu_linears.py).
+// [N / 64, K, 64], each panel streamed from memory once per call (see engine/cpu/linears.py).
 //
 // NOTE: measured on this CPU (2 threads, SmolLM2's 30 layers, benchmarks/cpu_kernels.py): MKL's
 // GEMM on the [K, N] layout takes ~2 ms per extra row from 15.5 ms at one row, i.e. at 5 rows it

@@ -10,7 +10,7 @@ layer each, where the torch path copies the blocks into contiguous buffers and c
   gather, no mask tensor, no merge of a shared prefix's and a chunk's own parts.
 
 and ``small_linear`` multiplies a decode step's few rows by a float32 or bfloat16 weight packed into
-panels (``engine/cpu_linears.py`` wires it into the model's Linear layers).
+panels (``engine/cpu/linears.py`` wires it into the model's Linear layers).
 
 NOTE: compiled with -ffast-math (vectorised exp, reordered sums: 0.6x the time of a strict build
 here) for finite inputs, as a model's Q/K/V are; only compile flags, so no code that changes the

@@ -1,6 +1,6 @@
 // corekv's native CPU attention (engine.compile), reading K/V straight from the paged pool through
 // block tables, where the torch path gathers blocks into contiguous buffers and calls SDPA (see
-// engine/native_attention.py). Pools are [num_blocks, block_size, H, D] (float32 or bfloat16; each
+// engine/cpu/native.py). Pools are [num_blocks, block_size, H, D] (float32 or bfloat16; each
 // block's [block_size, H, D] contiguous, blocks any stride apart, as KVPool.layer_kv's views);
 // H KV heads, G query heads per KV head.
 //

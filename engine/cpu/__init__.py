@@ -1,0 +1,11 @@
+"""corekv's CPU kernels (installed as ``corekv.engine.cpu``): what a CPU step runs besides torch's.
+
+* :mod:`~corekv.engine.cpu.linears`: the layouts and kernels a loaded model's CPU ``nn.Linear``
+  layers run (``prepare_model`` prepares them; a native runner adds the panel kernel);
+* :mod:`~corekv.engine.cpu.native`: builds the C++ kernels (``paged_attention.cpp``,
+  ``small_linear.cpp``, shipped beside it) that ``engine.compile`` runs on CPU;
+* :mod:`~corekv.engine.cpu.malloc`: glibc malloc thresholds for the engine's process
+  (``engine.tune_cpu_malloc``).
+
+Nothing is imported here, so importing one module does not import or build the others.
+"""
