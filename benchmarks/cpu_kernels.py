@@ -1,19 +1,19 @@
-"""The CPU kernel choices behind corekv's engine, measured at SmolLM2-135M's shapes (sessions 4-7).
+"""The CPU kernel choices behind corekv's engine, measured at SmolLM2-135M's shapes (BENCHMARKS.md, Engine).
 
     python benchmarks/cpu_kernels.py [--threads 2] [--repeats 5]
 
 * ``linears``: one decoder step's seven Linear weights of all 30 layers (so they stream from memory
   as in the engine) at 1 to 1,024 rows: ``F.linear`` on the row-major weight, on the transposed
   layout corekv stores for float32, the native kernel on a copy packed into 64-column panels
-  (engine/cpu/small_linear.cpp, what ``engine.compile`` runs for a decode step's rows: float32 from
-  session 6, bfloat16 from session 7), on a oneDNN-packed copy, and (bfloat16) multiplied in
+  (engine/cpu/small_linear.cpp, what ``engine.compile`` runs for a decode step's rows, float32 and
+  bfloat16), on a oneDNN-packed copy, and (bfloat16) multiplied in
   float32 after upcasting input and weight (what corekv does from 128 rows).
 * ``prefill attention``: W2's step shape (8 chunks of 128 tokens after a shared 384-token cached
   prefix, 9 query and 3 KV heads of 64, one layer): eight masked SDPA calls over gathered contexts
   (corekv's path for single chunks) against a :class:`PrefillGroup`-style shared call plus one
-  batched causal call merged through log-sum-exps, and (session 6) the native prefill kernel that
+  batched causal call merged through log-sum-exps, and the native prefill kernel that
   ``engine.compile`` builds, reading a real KVPool's layer views (engine/cpu/paged_attention.cpp).
-* ``decode attention`` (session 5): W1's and W2's decode shapes over a real KVPool's layer views,
+* ``decode attention``: W1's and W2's decode shapes over a real KVPool's layer views,
   the torch path (gather the blocks, SDPA with a padding mask) against the native kernel that
   ``engine.compile`` builds (engine/cpu/paged_attention.cpp).
 

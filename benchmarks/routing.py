@@ -1,4 +1,4 @@
-"""Issue 6's routing benchmark: ``corekv route`` cache_aware vs round_robin in front of the same
+"""The routing benchmark: ``corekv route`` cache_aware vs round_robin in front of the same
 ``corekv serve`` workers, on a multi-tenant multi-turn chat workload, in one run.
 
     python benchmarks/routing.py                       # SmolLM2, 3 workers, 6 tenants x 3 users x 3 turns

@@ -185,9 +185,9 @@ def _prefill_group_attention(query, key, value, k_cache, v_cache, group: Prefill
                              scaling) -> torch.Tensor:
     """``[tokens, num_heads, head_dim]`` attention of one :class:`PrefillGroup`'s chunks.
 
-    NOTE: W2's shape (8 chunks of 128 tokens after 384 shared ones, one layer) took 6.5 ms this way
-    against 7.9 ms for eight masked calls over gathered contexts (BENCHMARKS.md, session 4): the
-    shared part is one large call, the causal part one batched call, and no mask is built.
+    NOTE: faster than one masked call per chunk over its gathered context (BENCHMARKS.md,
+    "Prefill attention, W2's step shape"): the shared part is one large call, the causal part one
+    batched call, and no mask is built.
     """
     tokens = slice(group.token_start, group.token_end)
     _, num_heads, _, head_dim = query.shape
@@ -220,7 +220,7 @@ def _merge(out_a, lse_a, out_b, lse_b) -> torch.Tensor:
     """Attention over the union of two key sets from the parts' outputs and log-sum-exps (float32).
 
     NOTE: part a's weight exp(lse_a) / (exp(lse_a) + exp(lse_b)) is sigmoid(lse_a - lse_b): three
-    small ops instead of the seven of the log-sum-exp form (a W2 decode layer: 0.96 -> 0.91 ms).
+    small ops instead of the seven of the log-sum-exp form, and a decode step runs this per layer.
     """
     weight = torch.sigmoid(lse_a - lse_b)[..., None]
     return torch.lerp(out_b.float(), out_a.float(), weight)
@@ -250,7 +250,7 @@ def _gather(cache: torch.Tensor, block_tables: torch.Tensor, buffers: dict, name
     """``[B, num_kv_heads, num_blocks * block_size, head_dim]`` view over a copy of the blocks.
 
     NOTE: the copy lands in a buffer reused by every layer and step (grown when too small): a fresh
-    multi-MB tensor per layer costs page faults that measured as much as the copy itself.
+    multi-MB tensor per layer costs page faults that take about as long as the copy itself.
     """
     batch, num_blocks = block_tables.shape
     rows = batch * num_blocks

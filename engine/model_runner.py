@@ -38,11 +38,12 @@ class ScheduledChunk:
 
 #: decodes (or equal prefill chunks) sharing leading blocks take the cascade path only when it saves
 #: gathering (or, natively, reading) at least this many tokens' KV per layer, i.e. (rows - 1) *
-#: shared tokens. NOTE: measured on the torch path; not re-measured with the native decode kernel.
-#: NOTE: measured on SmolLM2 float32 at 2 threads (BENCHMARKS.md, session 4): W1's five decodes
-#: sharing 9 blocks (576 tokens saved) ran wave 2 in 1.62-1.69 s plain vs 1.75 s as a cascade (an
-#: extra attention call and the merge cost more than the gather saved); W2's 32 decodes sharing
-#: 24 blocks (11,904 tokens saved) take 37 ms of attention per step as a cascade vs 58 ms plain.
+#: shared tokens.
+#: NOTE: a cascade costs an extra attention call and the merge, which a small saving does not pay
+#: for: W1's five decodes sharing a system prompt run faster plain, W2's 32 decodes sharing a long
+#: prefix faster as a cascade; the threshold lies between them (BENCHMARKS.md, "decode cascade only
+#: when it saves >= 1,024 tokens of gathering"). That is the torch path's break-even, where the
+#: saving is a gather; the native decode kernel reads blocks in place, so its own may lie elsewhere.
 CASCADE_MIN_SAVED_TOKENS = 1024
 
 

@@ -18,8 +18,8 @@ def prepare_linear_weights(hf_model: Any) -> None:
     """Lay out each CPU ``nn.Linear`` weight for the GEMM that reads it; results are unchanged.
 
     * float32: the weight ``[out, in]`` becomes the transposed view of a contiguous ``[in, out]``
-      tensor (same values and shape, so every code path reads it as before). Weights shared with an
-      embedding (tied ``lm_head``) keep the row-major layout the embedding lookup needs.
+      tensor (same values and shape, so every code path reads the same tensor). Weights shared
+      with an embedding (tied ``lm_head``) keep the row-major layout the embedding lookup needs.
     * bfloat16: the module also gets a copy packed in oneDNN's blocked layout, and its ``forward``
       runs oneDNN's matmul on it (``torch.ops.mkldnn._linear_pointwise``, what inductor uses for
       frozen CPU linears) for fewer than :data:`BF16_UPCAST_MIN_ROWS` rows; more rows (a prefill)
@@ -31,16 +31,16 @@ def prepare_linear_weights(hf_model: Any) -> None:
 
     Idempotent: a module prepared before keeps its copies.
 
-    NOTE: measured on this CPU (``benchmarks/cpu_kernels.py``: 2 threads, torch 2.13, all 30 layers'
-    weights so they stream from memory). float32 ``F.linear`` with the transposed layout: 0.87-1.04x
-    the time from 1 to 1,024 rows across runs (a wash end to end; oneDNN packing was no better).
-    bfloat16 ``F.linear`` reorders the weight into oneDNN's layout on every call; packing it once
-    takes 0.72x the time at 1 row, 0.63x at 5, 0.83x at 32 and 0.97x at 1,024. This CPU has no AMX:
-    its bfloat16 dot products are no faster than float32 FMAs, so a 1,024-row bfloat16 GEMM took
-    1.8x the float32 one; upcasting input and weight per call takes 0.63x the packed time at 1,024
-    rows, 0.77x at 128 and about the same at 64 (BENCHMARKS.md, session 4). Each product of two
-    bfloat16 values is exact in float32 and oneDNN's bfloat16 GEMM accumulates in float32 too, so
-    the two paths differ only in summation order and the final rounding. CUDA has its own kernels.
+    NOTE: the choices follow ``benchmarks/cpu_kernels.py`` at SmolLM2's shapes, all layers' weights
+    so they stream from memory (BENCHMARKS.md, "Linears of 30 layers, float32" and "..., bfloat16").
+    The transposed float32 layout is about as fast as the loaded one (a wash end to end; oneDNN
+    packing is no better). bfloat16 ``F.linear`` reorders the weight into oneDNN's layout on every
+    call, so packing it once is faster at every row count. Without AMX a CPU's bfloat16 dot products
+    are no faster than float32 FMAs, so a large bfloat16 GEMM is slower than the float32 one, and
+    from :data:`BF16_UPCAST_MIN_ROWS` rows upcasting input and weight per call beats the packed
+    bfloat16 GEMM. Each product of two bfloat16 values is exact in float32 and oneDNN's bfloat16
+    GEMM accumulates in float32 too, so the two paths differ only in summation order and the final
+    rounding. CUDA has its own kernels.
     """
     embedding = hf_model.get_input_embeddings()
     shared = {id(embedding.weight)} if embedding is not None else set()
@@ -56,16 +56,16 @@ def prepare_linear_weights(hf_model: Any) -> None:
             module.forward = _bfloat16_linear(weight.detach(), module.bias, module._corekv_packed)
 
 
-#: a bfloat16 CPU Linear called with at least this many rows multiplies in float32 (see above)
+#: a bfloat16 CPU Linear called with at least this many rows multiplies in float32: from here on
+#: the upcast beats oneDNN's packed bfloat16 GEMM on CPUs without AMX (see prepare_linear_weights)
 BF16_UPCAST_MIN_ROWS = 128
 
 #: the rows (least, most) a Linear inside a native runner's step sends to the native kernel, by
 #: weight dtype: a decode step's (a prefill's thousand rows stay with MKL or float32, at the FMA
 #: peak there; one float32 row is a GEMV MKL streams as fast).
-#: NOTE: measured at 2 threads over SmolLM2's 30 layers (benchmarks/cpu_kernels.py and a throwaway
-#: script, BENCHMARKS.md sessions 6-7): float32, against MKL, 0.71-0.73x the time at 5 rows,
-#: 0.65-0.74x at 8, 0.70-0.76x at 16, 0.77-0.93x at 32, 1.16x at 1,024; bfloat16, against oneDNN's
-#: packed GEMM, 0.75x at 1 row, 0.70x at 5, 0.77x at 8, 0.88x at 16, 1.02x at 32.
+#: NOTE: the bounds are the rows where the native kernel is faster than what it replaces, MKL for
+#: float32 and oneDNN's packed GEMM for bfloat16 (benchmarks/cpu_kernels.py's linears tables;
+#: BENCHMARKS.md, "Native float32 linear for 2-32 rows" and "Native linear for bfloat16 decode steps").
 NATIVE_LINEAR_ROWS = {torch.float32: (2, 32), torch.bfloat16: (1, 16)}
 
 
@@ -176,8 +176,9 @@ def _float32_linear(weight: torch.Tensor, bias: torch.Tensor | None, packed: _Pa
 
     NOTE: under torch.compile an opaque op for decode-sized steps only (a guard on the step's size):
     decode-sized steps get a graph of their own, so a prefill's linears stay inductor's GEMMs on its
-    planned buffers (behind an opaque op they wrote fresh outputs: +40-70 ms a 1,024-token step
-    here); a compiled engine holds one more graph (its start took 119 s instead of 76 here).
+    planned buffers (behind an opaque op they would write fresh outputs, which costs a prefill more
+    than the decode steps gain). The price is one more graph, compiled when the engine starts
+    (BENCHMARKS.md, "Native float32 linear for 2-32 rows").
     """
     handle = _register(packed)
 

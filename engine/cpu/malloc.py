@@ -7,9 +7,9 @@ again. :func:`tune_glibc_malloc` sets fixed thresholds once per process so freed
 the heap and are reused.
 
 NOTE: both thresholds must be set. Setting either one turns off glibc's dynamic adjustment of the
-other: with only the trim threshold W2 ran 8.9 s and with only the mmap threshold 7.6 s, against
-7.1 s with glibc's defaults and 6.8 s with both (BENCHMARKS.md, session 4). The same settings are
-available without code as ``GLIBC_TUNABLES=glibc.malloc.mmap_threshold=...:glibc.malloc.trim_threshold=...``.
+other, and either one alone is slower than glibc's defaults; only both together are faster
+(BENCHMARKS.md, "glibc malloc thresholds"). The same settings are available without code as
+``GLIBC_TUNABLES=glibc.malloc.mmap_threshold=...:glibc.malloc.trim_threshold=...``.
 """
 from __future__ import annotations
 

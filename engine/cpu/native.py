@@ -10,15 +10,16 @@ layer each, where the torch path copies the blocks into contiguous buffers and c
   gather, no mask tensor, no merge of a shared prefix's and a chunk's own parts.
 
 and ``small_linear`` multiplies a decode step's few rows by a float32 or bfloat16 weight packed into
-panels (``engine/cpu/linears.py`` wires it into the model's Linear layers).
+panels (:mod:`corekv.engine.cpu.linears` wires it into the model's Linear layers).
 
-NOTE: compiled with -ffast-math (vectorised exp, reordered sums: 0.6x the time of a strict build
-here) for finite inputs, as a model's Q/K/V are; only compile flags, so no code that changes the
-process's floating-point mode (flush-to-zero) is linked in.
+NOTE: compiled with -ffast-math, because a vectorised exp and reordered sums are what make the
+kernels fast (a strict build is much slower: BENCHMARKS.md, "Native decode attention"); that is
+sound for finite inputs, as a model's Q/K/V are. It is passed as compile flags only, so no code
+that changes the process's floating-point mode (flush-to-zero) is linked in.
 
-Built on first use by ``torch.utils.cpp_extension`` (g++ and ninja; about 25 s on 2 cores)
-with ``-march=native`` into torch's extension cache (``TORCH_EXTENSIONS_DIR``), which then serves
-later processes at once; a cache shared by machines of different CPUs must be set per machine.
+Built on first use by ``torch.utils.cpp_extension`` (g++ and ninja; tens of seconds on a small
+machine) with ``-march=native`` into torch's extension cache (``TORCH_EXTENSIONS_DIR``), which then
+serves later processes at once; a cache shared by machines of different CPUs must be set per machine.
 """
 from __future__ import annotations
 

@@ -150,7 +150,7 @@ std::vector<torch::Tensor> paged_decode(const torch::Tensor& q, const torch::Ten
 // scalars broadcast against them. Flash-attention style: a running max and sum per row, no scores
 // matrix beyond one tile, no mask tensor (a key after a query's position is hidden in the kernel).
 
-typedef float vf __attribute__((vector_size(64)));  // GCC vectors: AVX-512 here, split where narrower
+typedef float vf __attribute__((vector_size(64)));  // GCC vectors: one AVX-512 register, split where narrower
 typedef int32_t vi __attribute__((vector_size(64)));
 constexpr int VL = 16;            // lanes per vector = query tokens per task
 constexpr int KT = 64;            // keys per tile

@@ -2,14 +2,15 @@
 // of a decode step, from a copy of W (float32 or bfloat16) packed once into column panels
 // [N / 64, K, 64], each panel streamed from memory once per call (see engine/cpu/linears.py).
 //
-// NOTE: measured on this CPU (2 threads, SmolLM2's 30 layers, benchmarks/cpu_kernels.py): MKL's
-// GEMM on the [K, N] layout takes ~2 ms per extra row from 15.5 ms at one row, i.e. at 5 rows it
-// reads the weights at 17 GB/s where one row reads them at 26 GB/s. Here each panel row of 64
-// outputs is 4 vectors that every row of x multiplies with a broadcast scalar (6 rows x 4 vectors of
-// accumulators), the panel is prefetched ahead of the loads, and rows beyond 6 reuse a 128-deep
-// slice of the panel from L1 instead of reading the panel again. A bfloat16 panel is widened to
-// float32 as it is loaded (a bfloat16 value is the high half of a float32's bits), so each product
-// is exact in float32 and sums in float32, as oneDNN's bfloat16 GEMM does, from half the bytes.
+// NOTE: MKL's GEMM on the [K, N] layout takes longer with every extra row, so a few rows read the
+// weights well below the rate one row does (benchmarks/cpu_kernels.py; BENCHMARKS.md, "Native
+// float32 linear for 2-32 rows"); a decode step's rows should stream each weight once. Here each
+// panel row of 64 outputs is 4 vectors that every row of x multiplies with a broadcast scalar
+// (6 rows x 4 vectors of accumulators), the panel is prefetched ahead of the loads, and rows beyond
+// 6 reuse a 128-deep slice of the panel from L1 instead of reading the panel again. A bfloat16
+// panel is widened to float32 as it is loaded (a bfloat16 value is the high half of a float32's
+// bits), so each product is exact in float32 and sums in float32, as oneDNN's bfloat16 GEMM does,
+// from half the bytes.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
