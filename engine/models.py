@@ -177,8 +177,6 @@ def load_model(model: str, *, dtype: str = "float32", device: str = "auto", plug
     path = _resolve_path(model, plugin_manager)
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-    from corekv.engine.attention import ATTENTION_NAME  # registers the attention function
-
     folder, kwargs = _hf_source(path)
     try:
         config = AutoConfig.from_pretrained(folder, local_files_only=True, **kwargs)
@@ -193,7 +191,7 @@ def load_model(model: str, *, dtype: str = "float32", device: str = "auto", plug
             "is a causal-LM checkpoint of an architecture your transformers version knows, and that gguf and "
             "accelerate are installed (pip install gguf accelerate)"
         ) from e
-    return prepare_model(hf_model, tokenizer, device=torch_device, attention=ATTENTION_NAME)
+    return prepare_model(hf_model, tokenizer, device=torch_device)
 
 
 def load_tokenizer(model: str, *, plugin_manager: Any = None) -> Any:
@@ -230,9 +228,9 @@ def reference_attention(loaded: LoadedModel, implementation: str = "sdpa"):
         loaded.model.set_attn_implementation(previous)
 
 
-def prepare_model(hf_model: Any, tokenizer: Any, *, device: Any, attention: str | None = None) -> LoadedModel:
+def prepare_model(hf_model: Any, tokenizer: Any, *, device: Any) -> LoadedModel:
     """Check, move and wrap an already built HF causal LM (used by :func:`load_model` and tests)."""
-    from corekv.engine.attention import ATTENTION_NAME
+    from corekv.engine.attention import ATTENTION_NAME  # importing it registers the attention function
     from corekv.engine.cpu.linears import prepare_linear_weights
 
     config = hf_model.config
@@ -242,7 +240,7 @@ def prepare_model(hf_model: Any, tokenizer: Any, *, device: Any, attention: str 
             f"{type(hf_model).__name__} does not route attention through transformers' AttentionInterface, "
             "so corekv cannot page its KV; use a model whose modeling code does (most decoders in transformers>=4.48)"
         )
-    hf_model.set_attn_implementation(attention or ATTENTION_NAME)
+    hf_model.set_attn_implementation(ATTENTION_NAME)
     hf_model.to(device).eval()
     hf_model.requires_grad_(False)
     prepare_linear_weights(hf_model)

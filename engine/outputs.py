@@ -84,8 +84,3 @@ class RequestOutput:
     def tpot_s(self) -> float | None:
         """The first completion's mean seconds per output token after the first."""
         return self.outputs[0].tpot_s
-
-    @property
-    def finished(self) -> bool:
-        """Always True: a RequestOutput is only made for a finished request."""
-        return True
