@@ -49,10 +49,11 @@ def _decoding_engine(loaded, prompts, max_tokens):
     return engine
 
 
-def profile_decode(dtype, log, num_steps=20):
+def profile_decode(dtype, log, seed_text, num_steps=20):
     """Where a corekv decode step spends its time, for batches of 1, 5 and 32 decoding sequences
-    (W1's and W2's shapes): engine phases timed by wrappers, then torch.profiler by operator with the
-    paged attention function wrapped in a ``record_function``, then cProfile's top Python functions."""
+    (W1's and W2's shapes; W2's prompts cut from ``seed_text``): engine phases timed by wrappers, then
+    torch.profiler by operator with the paged attention function wrapped in a ``record_function``,
+    then cProfile's top Python functions."""
     from torch.profiler import ProfilerActivity, profile, record_function
     from transformers import AttentionInterface
     import corekv.engine.attention as attention
@@ -66,7 +67,7 @@ def profile_decode(dtype, log, num_steps=20):
 
     report = {}
     for label, prompts in (("W1 batch 1", w1_prompts(loaded)[:1]), ("W1 batch 5", w1_prompts(loaded)[1:]),
-                           ("W2 batch 32", w2_prompts(loaded))):
+                           ("W2 batch 32", w2_prompts(loaded, seed_text))):
         engine = _decoding_engine(loaded, prompts, 2 + 3 * num_steps + 8)
         sched, runner = engine.scheduler, engine.runner
         timers = dict(schedule=_Timed(sched.schedule), execute=_Timed(runner.execute), prepare=_Timed(runner._prepare),

@@ -1,4 +1,4 @@
-"""Issue 3's engine benchmarks: corekv's Engine vs transformers' continuous batching and sequential
+"""The engine benchmarks: corekv's Engine vs transformers' continuous batching and sequential
 ``model.generate``, on the same model, the same token ids, greedy, in one process.
 
     python benchmarks/engine_w1_w2.py --dtypes float32,bfloat16 --runs 3 --cb-w2-runs 1 --markdown
@@ -6,7 +6,7 @@
 * W1: six questions after one long system prompt (chat template), 32 new tokens; the first request
   alone, then the other five together (wave 2). Each run starts from a fresh engine / manager.
 * W2: 32 prompts of exactly 512 token ids sharing an exact 384-token prefix (real text tokenized:
-  the two seed documents), 128 distinct tokens each, 16 new tokens with EOS ignored.
+  the seed documents, ``--seeds``), 128 distinct tokens each, 16 new tokens with EOS ignored.
 
 Per system and workload: total wall time, output tokens/s, mean TTFT (from the moment a wave is
 submitted, every request of a wave arriving then, to that request's first token), the peak RSS
@@ -33,6 +33,7 @@ from corekv.config import CacheConfig, Config, EngineConfig
 from corekv.engine.llm_engine import Engine
 from corekv.engine.models import load_model, reference_attention
 from corekv.engine.sampling import SamplingParams
+from seed_documents import add_seeds_argument, read_seeds  # benchmarks/ is sys.path[0]
 
 SYSTEM = "You are an inference optimization expert. Answer concisely and accurately, give numbers when needed. " * 6
 # NOTE: the six questions of the seed's shared-system-prompt experiment (as in the golden test).
@@ -41,9 +42,6 @@ QUESTIONS = ["What is a KV cache?", "Explain continuous batching in one sentence
              "What is 1+1? Answer directly."]
 W2_PROMPTS, W2_LEN, W2_PREFIX, W2_NEW = 32, 512, 384, 16
 W1_NEW = 32
-SEEDS = Path("/work/shared/seeds")
-# vLLM CPU numbers quoted by issue 3 (measured there, on 2 cores, float32; not measured by this run).
-VLLM_REFERENCE = {"W1 wave 2": "1.35-2.0 s", "W2 (prefix caching)": "7.3-7.9 s", "W2 (no prefix caching)": "22-24 s"}
 
 
 class RssSampler:
@@ -77,9 +75,9 @@ def w1_prompts(loaded) -> list[list[int]]:
             for q in QUESTIONS]
 
 
-def w2_prompts(loaded) -> list[list[int]]:
-    text = "\n\n".join(p.read_text() for p in sorted(SEEDS.glob("*.md")))
-    ids = loaded.tokenizer(text, add_special_tokens=False)["input_ids"]
+def w2_prompts(loaded, seed_text: str) -> list[list[int]]:
+    """W2's prompts, cut from ``seed_text`` (:func:`seed_documents.read_seeds`)."""
+    ids = loaded.tokenizer(seed_text, add_special_tokens=False)["input_ids"]
     suffix = W2_LEN - W2_PREFIX
     need = W2_PREFIX + W2_PROMPTS * suffix
     if len(ids) < need:
@@ -205,7 +203,7 @@ def summarise(results, reference_tokens):
 
 def bench_dtype(dtype, args, log):
     loaded = load_model("smollm2-135m-instruct", dtype=dtype, device="cpu")
-    prompts = {"W1": w1_prompts(loaded), "W2": w2_prompts(loaded)}
+    prompts = {"W1": w1_prompts(loaded), "W2": w2_prompts(loaded, args.seed_text)}
     spec = {"W1": (W1_NEW, False), "W2": (W2_NEW, True)}
     rows = {}
     # warm-up (untimed): one short request through each system, so first-call costs are not timed.
@@ -213,7 +211,7 @@ def bench_dtype(dtype, args, log):
     run_corekv(loaded, [warm], 2, False, True)
     if not args.systems or "compiled" in args.systems:
         # NOTE: the compiled engine compiles its step shapes when built (ModelRunner.warm_up);
-        # the first build per dtype pays for it (1-2 minutes here), untimed.
+        # the first build per dtype pays for it (a minute or two), untimed.
         t0 = time.perf_counter()
         run_corekv(loaded, [warm], 2, False, True, compile=True)
         log(f"{dtype} compiled warm-up (compile) {time.perf_counter() - t0:.1f} s")
@@ -313,15 +311,17 @@ def main():
     ap.add_argument("--dump-prompts", default=None, metavar="FILE",
                     help="write the W1 and W2 prompts' token ids as JSON ({'W1': [...], 'W2': [...]}) and exit "
                          "(benchmarks/vllm_w1_w2.py runs vLLM on them)")
+    add_seeds_argument(ap)
     args = ap.parse_args()
     args.workloads = args.workloads.split(",")
     if args.render:
         print(render_markdown(json.loads(Path(args.render).read_text())))
         return
+    args.seed_text = read_seeds(args.seeds)  # NOTE: before any model loads, so a missing folder fails at once
     if args.dump_prompts:
         # NOTE: built by the same functions the timed runs use, so a peer system gets the exact token ids.
         loaded = load_model("smollm2-135m-instruct", dtype="float32", device="cpu")
-        Path(args.dump_prompts).write_text(json.dumps({"W1": w1_prompts(loaded), "W2": w2_prompts(loaded)}))
+        Path(args.dump_prompts).write_text(json.dumps({"W1": w1_prompts(loaded), "W2": w2_prompts(loaded, args.seed_text)}))
         return
     torch.set_grad_enabled(False)
     if args.threads:
@@ -342,7 +342,7 @@ def main():
     if args.profile:
         from engine_profile import profile_decode  # noqa: PLC0415 (benchmarks/ is sys.path[0])
 
-        reports = {dtype: profile_decode(dtype, log) for dtype in args.dtypes.split(",")}
+        reports = {dtype: profile_decode(dtype, log, args.seed_text) for dtype in args.dtypes.split(",")}
         print(json.dumps(dict(env=env, profile=reports), indent=1))
         if args.json:
             Path(args.json).write_text(json.dumps(dict(env=env, profile=reports), indent=1))

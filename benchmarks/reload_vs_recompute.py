@@ -1,9 +1,9 @@
-"""Issue 4: TTFT of a prompt whose prefix is recomputed, hit on the device, or reloaded from a tier.
+"""TTFT of a prompt whose prefix is recomputed, hit on the device, or reloaded from a tier.
 
     python benchmarks/reload_vs_recompute.py --sizes 512,1024,2048,4096 --runs 3 --threads 2 --markdown
 
 SmolLM2-135M-Instruct, float32, loaded once and shared by every engine of the run. The prompt is
-``P`` prefix tokens (real text: the two seed documents, tokenized) + 16 suffix tokens, block size
+``P`` prefix tokens (real text: the seed documents, ``--seeds``, tokenized) + 16 suffix tokens, block size
 16, so a hit covers exactly the prefix and the suffix is always computed; ``max_tokens=1``, so TTFT
 is the request's whole time (``RequestOutput.ttft_s``, arrival to first token).
 
@@ -55,16 +55,16 @@ from corekv.engine.sampling import SamplingParams
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 from redis_server import RedisServer  # noqa: E402  (the tests' helper: a real redis-server on loopback)
+from seed_documents import add_seeds_argument, read_seeds  # noqa: E402  (benchmarks/ is sys.path[0])
 
 BLOCK, SUFFIX = 16, 16
-SEEDS = Path("/work/shared/seeds")
 TIERS = ("host", "lmdb", "redis")
 ONE_TOKEN = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
 
 
-def corpus_ids(model, n: int) -> list[int]:
-    text = "\n\n".join(p.read_text() for p in sorted(SEEDS.glob("*.md")))
-    ids = model.tokenizer.encode(text, add_special_tokens=False)
+def corpus_ids(model, n: int, seed_text: str) -> list[int]:
+    """The first ``n`` token ids of ``seed_text`` (repeated as often as needed)."""
+    ids = model.tokenizer.encode(seed_text, add_special_tokens=False)
     while len(ids) < n:
         ids = ids + ids
     return [int(t) for t in ids[:n]]
@@ -95,9 +95,9 @@ _EVICTION: list[np.ndarray] = []
 
 
 def evict_cpu_caches() -> None:
-    """Touch every cache line of a buffer larger than the last-level cache (260 MiB here): the
-    next copy reads DRAM, as a reload of blocks stored earlier does (repeated copies of the same
-    buffers would otherwise run from the cache: 14 GB/s for 23 MB here)."""
+    """Touch every cache line of a buffer larger than the last-level cache: the next copy reads
+    DRAM, as a reload of blocks stored earlier does (repeated copies of the same buffers would
+    otherwise run from the cache, far faster; BENCHMARKS.md, "Tiers in the engine")."""
     if not _EVICTION:
         _EVICTION.append(np.ones(768 << 20, dtype=np.uint8))
     _EVICTION[0][::64] += 1
@@ -109,10 +109,11 @@ def memcpy_seconds(num_bytes: int, repeats: int = 5, *, block_bytes: int = 0) ->
     stricter reference. ``block_bytes``: instead, ``numpy.copyto`` row by row in rows of
     ``block_bytes``, the copy a reload makes.
 
-    NOTE: glibc's memcpy switches to non-temporal stores above a size threshold (0x6300000 bytes,
-    ~99 MiB, on this machine: ``ld.so --list-tunables``), which runs ~1.5x faster here (11.5 vs
-    7.3 GB/s); a copy of one block (0.7 MiB) stays under it unless
-    ``GLIBC_TUNABLES=glibc.cpu.x86_non_temporal_threshold=...`` lowers it. Hence both references.
+    NOTE: glibc's memcpy switches to non-temporal stores above a size threshold (``ld.so
+    --list-tunables`` prints it: ``glibc.cpu.x86_non_temporal_threshold``), which copy large
+    buffers markedly faster (BENCHMARKS.md, "Tiers in the engine"); a copy of one block (0.7 MiB)
+    stays under it unless ``GLIBC_TUNABLES=glibc.cpu.x86_non_temporal_threshold=...`` lowers it.
+    Hence both references.
     """
     src = torch.empty(num_bytes, dtype=torch.uint8).fill_(7)
     dst = torch.empty(num_bytes, dtype=torch.uint8)
@@ -182,10 +183,11 @@ def drop_file_cache(path: str) -> None:
         os.close(fd)
 
 
-def bench_size(model, size: int, runs: int, budget: int, redis: RedisServer, results: dict) -> None:
+def bench_size(model, size: int, runs: int, budget: int, redis: RedisServer, results: dict,
+               seed_text: str) -> None:
     import redis as redis_py
 
-    prompt = corpus_ids(model, size + SUFFIX)
+    prompt = corpus_ids(model, size + SUFFIX, seed_text)
     num_blocks = (size + SUFFIX) // BLOCK + 8
     row = results.setdefault(size, {"recompute": [], "device": [], "host": [], "lmdb": [], "redis": [],
                                     "lmdb_cold": [], "bw": {}, "memcpy_bw": {}, "memcpy_rows_bw": {},
@@ -245,10 +247,10 @@ def bench_size(model, size: int, runs: int, budget: int, redis: RedisServer, res
     row["block_bytes"] = block_bytes
 
 
-def warm_up(model, budget: int) -> None:
+def warm_up(model, budget: int, seed_text: str) -> None:
     """One untimed recompute, device hit and host reload of a short prompt: the first forward of
     each shape pays one-off costs (allocator, kernels) that would otherwise land on (a) and (b)."""
-    prompt = corpus_ids(model, 8 * BLOCK + SUFFIX)
+    prompt = corpus_ids(model, 8 * BLOCK + SUFFIX, seed_text)
     host = TierConfig(type="host", name="host", options={"size": 64 << 20})
     with Engine(make_config((host,), 32, budget), model=model) as engine:
         for _ in range(2):
@@ -307,7 +309,9 @@ def main() -> None:
     parser.add_argument("--budget", type=int, default=1024, help="engine.max_num_batched_tokens (prefill chunk)")
     parser.add_argument("--markdown", action="store_true")
     parser.add_argument("--json", help="write the summary here")
+    add_seeds_argument(parser)
     args = parser.parse_args()
+    seed_text = read_seeds(args.seeds)
     sizes = [int(s) for s in args.sizes.split(",")]
     bad = [s for s in sizes if s <= 0 or s % BLOCK]
     if bad:
@@ -321,9 +325,9 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="corekv-redis-") as redis_dir:
         redis = RedisServer(redis_dir).start()
         try:
-            warm_up(model, args.budget)
+            warm_up(model, args.budget, seed_text)
             for size in sizes:
-                bench_size(model, size, args.runs, args.budget, redis, results)
+                bench_size(model, size, args.runs, args.budget, redis, results, seed_text)
                 if args.json:  # after every size, so an interrupted run keeps what it measured
                     Path(args.json).write_text(json.dumps(summarize(results), indent=1))
         finally:
