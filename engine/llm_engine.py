@@ -17,11 +17,11 @@ from typing import Any
 
 from corekv.config import Config
 from corekv.errors import ConfigError, CoreKVError, describe_exception
-from corekv.engine.native_attention import NativeBuildError
+from corekv.engine.cpu.native import NativeBuildError
 from corekv.hashing import PrefixKey, chain_seed
 from corekv.plugin import make_plugin_manager
 from corekv.engine.block_manager import BlockManager
-from corekv.engine.cpu_malloc import tune_glibc_malloc
+from corekv.engine.cpu.malloc import tune_glibc_malloc
 from corekv.engine.engine_api import EngineAPI
 from corekv.engine.detokenizer import IncrementalDetokenizer
 from corekv.engine.kv_pool import KVPool
@@ -89,9 +89,7 @@ class Engine(EngineAPI):
                     "inductor needs a working C++ compiler (g++) on CPU, or set engine.compile: false"
                 ) from exc
         self.sampler = Sampler()
-        # NOTE: chunked prefill is on unless the config says otherwise (EngineConfig may not carry
-        # the switch; a config subclass or a later version can).
-        self.enable_chunked_prefill = bool(getattr(ecfg, "enable_chunked_prefill", True))
+        self.enable_chunked_prefill = ecfg.enable_chunked_prefill
         swap_tier = None
         if ecfg.preemption == "swap":
             host_names = {t.name for t in config.cache.tiers if t.type == "host"}
@@ -335,7 +333,7 @@ class Engine(EngineAPI):
         request.seqs.append(seq)
         self._requests[request.request_id] = request
         self.scheduler.add(seq)
-        self.blocks.prefetch(seq)  # tier hits start loading into host staging now (issue 4)
+        self.blocks.prefetch(seq)  # tier hits load into host staging while the request waits for admission
 
     def _detokenizer(self, request: Request) -> IncrementalDetokenizer:
         return IncrementalDetokenizer(self.model.tokenizer, request.prompt_token_ids,
