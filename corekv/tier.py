@@ -1,8 +1,8 @@
 """The storage tier interface: whole KV blocks stored by their chained hash.
 
-A tier is a small zarr-like store. Subclasses implement five batch primitives on *entries*
+A tier is a small zarr-like store. Subclasses implement four batch primitives on *entries*
 (header + payload, see :mod:`corekv.block_format`): ``_read_entries``, ``_write_entries``,
-``_contains_entries``, ``_delete_entries`` and the usage properties. The public methods here add
+``_contains_entries``, ``_delete_entries``, and the usage properties. The public methods here add
 what every tier must do the same way: argument checks, encoding on ``put``, validation on ``get``
 (a bad entry is a miss, counted as a fault, logged once per reason, and deleted), statistics, and
 the closed check. The cache manager calls only the public methods.
@@ -106,16 +106,28 @@ class Tier(ABC):
         self._is_closed = False
 
     # ---------------------------------------------------------------- public batch API
-    def exists(self, keys: Sequence[BlockHash]) -> int:
-        """Length of the leading run of ``keys`` present (entries are not validated here)."""
+    def contains_many(self, keys: Sequence[BlockHash]) -> list[bool]:
+        """Whether each of ``keys`` is present, in order: one batch call for any number of keys.
+
+        Entries are not validated here (that would read them): a damaged entry counts as present
+        until the read that finds it deletes it. Only reads count hits and misses.
+        """
         keys = self._check_keys(keys, "keys")
         if not keys:
-            return 0
+            return []
         with self._lock:
             self._check_open()
             present = self._contains_entries(keys)
+        if len(present) != len(keys):
+            raise PluginError(f"tier {self.name!r} ({type(self).__name__}): _contains_entries "
+                              f"answered {len(present)} of {len(keys)} keys; it must answer every "
+                              "key, in order")
+        return [bool(is_present) for is_present in present]
+
+    def exists(self, keys: Sequence[BlockHash]) -> int:
+        """Length of the leading run of ``keys`` present (:meth:`contains_many`'s answers)."""
         run = 0
-        for is_present in present:
+        for is_present in self.contains_many(keys):
             if not is_present:
                 break
             run += 1
@@ -299,7 +311,8 @@ class Tier(ABC):
 
     @abstractmethod
     def _contains_entries(self, keys: list[BlockHash]) -> list[bool]:
-        """Presence per key (may stop early after the first ``False``, padding with ``False``)."""
+        """Presence of every key, in order (one answer per key: :meth:`contains_many` returns
+        them as they are); errors of a remote store are ``False``."""
 
     @abstractmethod
     def _delete_entries(self, keys: list[BlockHash]) -> None:

@@ -70,3 +70,24 @@ def test_put_needs_a_sequence_of_pairs():
             tier.put(b"not pairs")
         with pytest.raises(TypeError, match=r"items\[i\]\[0\] must hold non-empty bytes"):
             tier.put([("text", bytes(64))])
+
+
+class StopsAtTheFirstMiss(HostTier):
+    """A tier still on the old contract of ``_contains_entries``: it answers a leading run only."""
+
+    def _contains_entries(self, keys):
+        answers = []
+        for key in keys:
+            answers.append(key in self.key_to_slot)
+            if not answers[-1]:
+                break
+        return answers
+
+
+def test_a_tier_whose_membership_skips_keys_is_a_plugin_error_naming_it():
+    with StopsAtTheFirstMiss(size=10_000, block_bytes=64, fingerprint=b"m", name="old") as tier:
+        tier.put([(b"k" * 16, bytes(64))])
+        assert tier.contains_many([b"k" * 16]) == [True]
+        with pytest.raises(PluginError, match=r"^tier 'old' \(StopsAtTheFirstMiss\): _contains_entries "
+                                              "answered 1 of 2 keys; it must answer every key"):
+            tier.contains_many([b"x" * 16, b"k" * 16])

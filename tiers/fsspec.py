@@ -111,15 +111,11 @@ class FsspecTier(Tier):
         return num_stored
 
     def _contains_entries(self, keys: list[BlockHash]) -> list[bool]:
-        present = []
         try:
-            for key in keys:
-                present.append(self.fs.exists(self._path(key)))
-                if not present[-1]:
-                    break
+            return [self.fs.exists(self._path(key)) for key in keys]
         except Exception as e:
             self._count_error("exists", e)
-        return present + [False] * (len(keys) - len(present))
+            return [False] * len(keys)
 
     def _delete_entries(self, keys: list[BlockHash]) -> None:
         for key in keys:

@@ -132,6 +132,24 @@ class TierTests:
         assert tier.exists([]) == 0
         assert tier.contains(keys[0]) and not tier.contains(keys[2])
 
+    def test_contains_many_answers_every_key_in_order(self, tier):
+        """Absent keys before, between and after present ones each get their own answer: a tier
+        that stopped at the first absent key would answer ``False`` for the rest."""
+        keys = make_keys(6, salt="membership")
+        tier.put([(k, block_payload(k, self.block_bytes)) for k in (keys[1], keys[2], keys[4])])
+        assert tier.contains_many(keys) == [False, True, True, False, True, False]
+        assert tier.contains_many([keys[4], keys[0], keys[4]]) == [True, False, True]
+        assert tier.contains_many([]) == []
+        stats = tier.stats()
+        assert (stats["hits"], stats["misses"]) == (0, 0), "membership is not a read"
+
+    def test_contains_many_checks_its_keys_and_refuses_a_closed_tier(self, tmp_path):
+        with self.make_tier(tmp_path, self.block_bytes) as tier:
+            with pytest.raises(TypeError, match="keys must"):
+                tier.contains_many(b"a-single-key")
+        with pytest.raises(RuntimeError, match="closed"):
+            tier.contains_many(make_keys(1))
+
     def test_delete_removes_and_ignores_absent_keys(self, tier):
         keys = make_keys(3)
         tier.put([(k, block_payload(k, self.block_bytes)) for k in keys])
