@@ -60,7 +60,7 @@ class LMDBView(StoreView):
     def __init__(self, name, type_, options):
         super().__init__(name, type_, options)
         from corekv.errors import CoreKVError
-        from corekv.tiers.lmdb import open_lmdb
+        from corekv.tiers.lmdb_file import close_lmdb, open_lmdb
 
         path = os.path.realpath(os.fspath(options["path"]))
         if not os.path.exists(path):
@@ -94,7 +94,7 @@ class LMDBView(StoreView):
         return self.env.info()["map_size"]
 
     def close(self):
-        self.env.close()
+        close_lmdb(self.env)
 
 
 class FsspecView(StoreView):

@@ -22,7 +22,8 @@ from corekv.errors import ConfigError
 from corekv.plugin import make_plugin_manager
 from corekv.testing.tier import block_payload, make_keys
 from corekv.tier import make_tier
-from corekv.tiers.lmdb import LMDBTier, check_lmdb_file
+from corekv.tiers.lmdb import LMDBTier
+from corekv.tiers.lmdb_file import check_lmdb_file
 
 FINGERPRINT = b"corekv-testing-model-fingerprint"
 SCRIPT = Path(sys.executable).with_name("corekv")
