@@ -79,7 +79,14 @@ class BackendSpec(_Spec):
 @dataclass(frozen=True)
 class TierSpec(_Spec):
     """A storage tier: ``factory(**options, block_bytes=..., fingerprint=...)`` returns a
-    :class:`corekv.tier.Tier` (options as validated from ``cache.tiers[i]``)."""
+    :class:`corekv.tier.Tier` (options as validated from ``cache.tiers[i]``).
+
+    :param admin: for a tier whose entries outlive the process, ``admin(**options)`` returns a
+        :class:`corekv.tier_admin.StoreAdmin` over its whole store (every model's entries), which
+        ``corekv store`` reads; ``None`` (an in-memory tier) leaves the tier out of those tools.
+    """
+
+    admin: Callable[..., Any] | None = None
 
 
 class _CorekvPluggy(pluggy.PluginManager):
@@ -176,6 +183,8 @@ def _checked_specs(returned: Any, spec_type: type, plugin_name: str, hook_name: 
             raise PluginError(f"{where} returned a {spec_type.__name__} named {spec.name!r}; expected a non-empty string")
         if not callable(spec.factory):
             raise PluginError(f"{where}: {spec.name!r} has factory {spec.factory!r}; expected a callable")
+        if getattr(spec, "admin", None) is not None and not callable(spec.admin):
+            raise PluginError(f"{where}: {spec.name!r} has admin {spec.admin!r}; expected a callable or None")
         if not isinstance(spec.options, Mapping) or not all(
             isinstance(k, str) and isinstance(v, Option) for k, v in spec.options.items()
         ):

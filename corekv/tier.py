@@ -7,6 +7,9 @@ what every tier must do the same way: argument checks, encoding on ``put``, vali
 (a bad entry is a miss, counted as a fault, logged once per reason, and deleted), statistics, and
 the closed check. The cache manager calls only the public methods.
 
+A tier object serves one model. A persistent tier's plugin also gives an admin view of its whole
+store, every model's entries, for ``corekv store`` (:mod:`corekv.tier_admin`).
+
 Factory convention (what :func:`make_tier` passes to ``TierSpec.factory``)::
 
     factory(**options, block_bytes=int, fingerprint=bytes, dtype=str, shape=tuple[int, ...])

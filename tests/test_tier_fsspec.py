@@ -1,4 +1,5 @@
 """The fsspec tier on a real local directory (file://) and fsspec's in-memory filesystem."""
+import hashlib
 import os
 import uuid
 
@@ -7,8 +8,9 @@ import pytest
 from corekv.block_format import HEADER_SIZE
 from corekv.plugin import make_plugin_manager
 from corekv.testing.tier import TierTests, block_payload, make_keys
+from corekv.testing.tier_admin import StoreAdminTests
 from corekv.tier import make_tier
-from corekv.tiers.fsspec import FsspecTier
+from corekv.tiers.fsspec import FsspecAdmin, FsspecTier
 
 FINGERPRINT = TierTests.fingerprint
 
@@ -23,6 +25,26 @@ class TestFsspecTierInMemory(TierTests):
     def make_tier(self, tmp_path, block_bytes):
         return FsspecTier(url=f"memory://corekv-{uuid.uuid4().hex}", block_bytes=block_bytes,
                           fingerprint=self.fingerprint)
+
+
+class TestFsspecAdminOnLocalDisk(StoreAdminTests):
+    def make_tier(self, tmp_path, block_bytes, fingerprint):
+        return FsspecTier(url=f"file://{tmp_path}/kv", block_bytes=block_bytes, fingerprint=fingerprint)
+
+    def make_admin(self, tmp_path):
+        return FsspecAdmin(url=f"file://{tmp_path}/kv")
+
+
+class TestFsspecAdminInMemory(StoreAdminTests):
+    @staticmethod
+    def url(tmp_path):  # one in-memory store per test, the same for its tier and its view
+        return f"memory://corekv-{hashlib.sha256(str(tmp_path).encode()).hexdigest()[:16]}"
+
+    def make_tier(self, tmp_path, block_bytes, fingerprint):
+        return FsspecTier(url=self.url(tmp_path), block_bytes=block_bytes, fingerprint=fingerprint)
+
+    def make_admin(self, tmp_path):
+        return FsspecAdmin(url=self.url(tmp_path))
 
 
 def test_objects_are_laid_out_by_model_and_hash_prefix(tmp_path):
@@ -43,6 +65,9 @@ def test_a_leftover_temporary_file_is_never_read_as_an_entry(tmp_path):
         (folder / f"{key.hex()}.tmp-deadbeef").write_bytes(tier.codec.encode(key, block_payload(key, 4096))[:100])
         assert tier.get_one(key) is None and tier.exists([key]) == 0
         assert tier.num_entries == 0 and list(tier.keys()) == []
+        (tmp_path / "notes.txt").write_text("not a block")  # a foreign file beside the store
+    with FsspecAdmin(url=f"file://{tmp_path}") as admin:
+        assert list(admin.entries()) == []
 
 
 def test_entries_survive_a_restart_and_other_models_are_not_listed(tmp_path):
@@ -92,3 +117,4 @@ def test_registered_as_a_plugin(tmp_path):
     url = f"memory://corekv-{uuid.uuid4().hex}"
     with make_tier(spec, {"url": url}, block_bytes=4096, fingerprint=FINGERPRINT) as tier:
         assert isinstance(tier, FsspecTier) and tier.capacity_bytes is None
+    assert spec.admin is FsspecAdmin

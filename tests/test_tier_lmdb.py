@@ -10,8 +10,9 @@ import pytest
 from corekv.errors import ConfigError
 from corekv.plugin import make_plugin_manager
 from corekv.testing.tier import TierTests, block_payload, make_keys
+from corekv.testing.tier_admin import StoreAdminTests
 from corekv.tier import make_tier
-from corekv.tiers.lmdb import LMDBTier
+from corekv.tiers.lmdb import LMDBAdmin, LMDBTier
 
 FINGERPRINT = TierTests.fingerprint
 
@@ -20,6 +21,15 @@ class TestLMDBTier(TierTests):
     def make_tier(self, tmp_path, block_bytes):
         return LMDBTier(path=str(tmp_path / "kv"), size=1024**2, block_bytes=block_bytes,
                         fingerprint=self.fingerprint)
+
+
+class TestLMDBAdmin(StoreAdminTests):
+    def make_tier(self, tmp_path, block_bytes, fingerprint):
+        return LMDBTier(path=str(tmp_path / "kv"), size=1024**2, block_bytes=block_bytes,
+                        fingerprint=fingerprint)
+
+    def make_admin(self, tmp_path):
+        return LMDBAdmin(path=str(tmp_path / "kv"), size=1024**2)
 
 
 def open_tier(path, size=4 * 1024**2, block_bytes=4096, **kwargs):
@@ -39,7 +49,18 @@ def test_a_path_opens_once_per_process(tmp_path):
     with open_tier(tmp_path):
         with pytest.raises(ValueError, match="already open in this process"):
             open_tier(tmp_path)
+        with pytest.raises(ValueError, match="already open in this process"):
+            LMDBAdmin(path=str(tmp_path), size=1024**2)
     open_tier(tmp_path).close()  # reopening after close is fine
+    with LMDBAdmin(path=str(tmp_path), size=1024**2):
+        with pytest.raises(ValueError, match="already open in this process"):
+            open_tier(tmp_path)
+
+
+def test_the_admin_view_of_a_missing_store_is_file_not_found_and_creates_nothing(tmp_path):
+    with pytest.raises(FileNotFoundError, match=f"no LMDB store at {tmp_path / 'kv'}"):
+        LMDBAdmin(path=str(tmp_path / "kv"), size=1024**2)
+    assert not (tmp_path / "kv").exists()
 
 
 def test_flipped_bytes_on_disk_are_a_miss_and_removed(tmp_path):
@@ -166,6 +187,7 @@ def test_registered_as_a_plugin_with_defaults(tmp_path):
                    fingerprint=FINGERPRINT) as tier:
         assert isinstance(tier, LMDBTier) and tier.is_persistent and tier.is_shared
         assert tier.capacity_bytes == 1024**2
+    assert spec.admin is LMDBAdmin
 
 
 @pytest.mark.parametrize("kwargs, option, message", [

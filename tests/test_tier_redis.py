@@ -7,10 +7,12 @@ import time
 import pytest
 import redis
 
+from corekv.errors import CoreKVError
 from corekv.plugin import make_plugin_manager
 from corekv.testing.tier import TierTests, block_payload, make_keys
+from corekv.testing.tier_admin import StoreAdminTests
 from corekv.tier import make_tier
-from corekv.tiers.redis import RedisTier
+from corekv.tiers.redis import RedisAdmin, RedisTier
 from redis_server import RedisServer, redis_server  # noqa: F401 (fixture)
 
 FINGERPRINT = TierTests.fingerprint
@@ -23,6 +25,18 @@ class TestRedisTier(TierTests):
 
     def make_tier(self, tmp_path, block_bytes):
         return RedisTier(url=self.server.url, block_bytes=block_bytes, fingerprint=self.fingerprint)
+
+
+class TestRedisAdmin(StoreAdminTests):
+    @pytest.fixture(autouse=True)
+    def _server(self, redis_server):  # noqa: F811
+        self.server = redis_server
+
+    def make_tier(self, tmp_path, block_bytes, fingerprint):
+        return RedisTier(url=self.server.url, block_bytes=block_bytes, fingerprint=fingerprint)
+
+    def make_admin(self, tmp_path):
+        return RedisAdmin(url=self.server.url)
 
 
 def open_tier(server, **kwargs):
@@ -38,6 +52,27 @@ def test_keys_are_namespaced_by_model_fingerprint(redis_server):  # noqa: F811
         assert raw.keys("*") == [f"corekv:{tier.fp12}:{key.hex()}".encode()]
         assert other.get_one(key) is None and other.num_entries == 0
         assert bytes(same.get_one(key)) == block_payload(key, 4096), "a second engine shares it"
+
+
+def test_the_admin_view_lists_only_block_keys(redis_server):  # noqa: F811
+    key = make_keys(1)[0]
+    with open_tier(redis_server) as tier:
+        tier.put_one(key, block_payload(key, 4096))
+        fp12 = tier.fp12
+    raw = redis.Redis.from_url(redis_server.url)
+    raw.set("corekv:not-a-block", b"x")
+    raw.set(f"corekv:{fp12}:xyz", b"x")
+    raw.set("someone-else:key", b"x")
+    raw.close()
+    with RedisAdmin(url=redis_server.url) as admin:
+        assert [(e.model, e.key) for e in admin.entries()] == [(fp12, key)]
+
+
+def test_the_admin_view_of_an_unreachable_server_is_an_error_without_the_password(tmp_path):
+    server = RedisServer(tmp_path, password="s3cret")  # never started: nothing listens on its port
+    with pytest.raises(CoreKVError, match=f"redis at redis://127.0.0.1:{server.port}/0 cannot be reached") as caught:
+        RedisAdmin(url=server.url)
+    assert "s3cret" not in str(caught.value)
 
 
 def test_ttl_is_set_on_every_block(redis_server):  # noqa: F811
@@ -163,6 +198,7 @@ def test_registered_as_a_plugin_without_importing_redis_at_load(redis_server):  
     with make_tier(spec, {"url": redis_server.url, "ttl": 5}, block_bytes=4096,
                    fingerprint=FINGERPRINT) as tier:
         assert isinstance(tier, RedisTier) and tier.ttl == 5 and tier.supports_ttl
+    assert spec.admin is RedisAdmin
 
 
 def test_bad_url_names_the_expected_form():

@@ -1,7 +1,13 @@
-"""``fsspec``: one object per KV block under any fsspec URL (file://, memory://, s3:// with s3fs)."""
+"""``fsspec``: one object per KV block under any fsspec URL (file://, memory://, s3:// with s3fs).
+
+The layout is written once, here, for the tier (one model's objects) and its admin view (every
+model's, for ``corekv store``): ``<url>/<fp12>/<hh>/<hexhash>``, ``hh`` the hash's first two hex
+digits; a local writer's temporary object is ``<hexhash>.tmp-<uuid>`` beside it.
+"""
 from __future__ import annotations
 
 import logging
+import re
 import uuid
 from collections import OrderedDict
 from collections.abc import Iterator, Sequence
@@ -13,9 +19,38 @@ from fsspec.implementations.local import LocalFileSystem
 from corekv.errors import ConfigError
 from corekv.plugin import Option, TierSpec, hookimpl
 from corekv.tier import BlockHash, Tier
+from corekv.tier_admin import StoreAdmin, StoredEntry
 
 logger = logging.getLogger(__name__)
 _TMP_MARK = ".tmp-"
+_OBJECT_PATH = re.compile(r"([0-9a-f]{12})/([0-9a-f]{2})/((?:[0-9a-f]{2})+)")
+
+
+def _object_path(root: str, fp12: str, key: BlockHash) -> str:
+    hexhash = key.hex()
+    return f"{root}/{fp12}/{hexhash[:2]}/{hexhash}"
+
+
+def _parse_object_path(root: str, path: str) -> tuple[str, BlockHash] | None:
+    """``(fp12, block hash)`` of a block object's path under ``root``; ``None`` for any other
+    object (a writer's temporary one, a foreign file)."""
+    match = _OBJECT_PATH.fullmatch(path[len(root) + 1:]) if path.startswith(f"{root}/") else None
+    if match is None or not match.group(3).startswith(match.group(2)):
+        return None
+    return match.group(1), bytes.fromhex(match.group(3))
+
+
+def _open_fs(url: str, storage_options: dict[str, Any] | None):
+    """``(filesystem, root)`` for ``url``; a URL fsspec cannot open is a ConfigError for it."""
+    if not isinstance(url, str) or not url:
+        raise ConfigError(f"url must be an fsspec URL string, got {url!r}; e.g. file:///data/kv "
+                          "or s3://bucket/prefix", path="url")
+    try:
+        fs, root = fsspec.core.url_to_fs(url, **(storage_options or {}))
+    except (ImportError, ValueError) as e:
+        raise ConfigError(f"url {url!r} cannot be opened by fsspec ({e}); install the "
+                          "filesystem's package (e.g. s3fs for s3://) or fix the URL", path="url") from e
+    return fs, root.rstrip("/")
 
 
 class FsspecTier(Tier):
@@ -37,17 +72,10 @@ class FsspecTier(Tier):
                  storage_options: dict[str, Any] | None = None):
         super().__init__(block_bytes=block_bytes, fingerprint=fingerprint, dtype=dtype, shape=shape,
                          name=name or "fsspec")
-        if not isinstance(url, str) or not url:
-            raise ConfigError(f"url must be an fsspec URL string, got {url!r}; e.g. file:///data/kv "
-                              "or s3://bucket/prefix", path="url")
         if not isinstance(size, int) or size < 0:
             raise ConfigError(f"size must be a byte count >= 0 (0: no cap), got {size!r}", path="size")
-        try:
-            self.fs, root = fsspec.core.url_to_fs(url, **(storage_options or {}))
-        except (ImportError, ValueError) as e:
-            raise ConfigError(f"url {url!r} cannot be opened by fsspec ({e}); install the "
-                              "filesystem's package (e.g. s3fs for s3://) or fix the URL", path="url") from e
-        self.url, self.root, self.size = url, root.rstrip("/"), size
+        self.fs, self.root = _open_fs(url, storage_options)
+        self.url, self.size = url, size
         self._is_local = isinstance(self.fs, LocalFileSystem)
         #: path -> object bytes, oldest first (kept only with a size cap)
         self._path_to_bytes: OrderedDict[str, int] = OrderedDict()
@@ -71,7 +99,8 @@ class FsspecTier(Tier):
         return len(self._list(f"{self.root}/{self.fp12}"))
 
     def keys(self) -> Iterator[BlockHash]:
-        return iter([bytes.fromhex(path.rsplit("/", 1)[-1]) for path in self._list(f"{self.root}/{self.fp12}")])
+        found = (_parse_object_path(self.root, path) for path in self._list(f"{self.root}/{self.fp12}"))
+        return iter([key for _, key in filter(None, found)])
 
     # ---------------------------------------------------------------- primitives
     def _read_entries(self, keys: list[BlockHash]) -> list[bytes | None]:
@@ -123,8 +152,7 @@ class FsspecTier(Tier):
 
     # ---------------------------------------------------------------- helpers
     def _path(self, key: BlockHash) -> str:
-        hexhash = key.hex()
-        return f"{self.root}/{self.fp12}/{hexhash[:2]}/{hexhash}"
+        return _object_path(self.root, self.fp12, key)
 
     def _write_object(self, path: str, parts) -> None:
         if not self._is_local:
@@ -179,6 +207,39 @@ class FsspecTier(Tier):
                        self.name, what, self.url, type(error).__name__, error)
 
 
+class FsspecAdmin(StoreAdmin):
+    """Every model's block objects under ``url`` (``corekv store``); ``size`` is the capacity
+    reported (0: none)."""
+
+    def __init__(self, *, url: str, size: int = 0, storage_options: dict[str, Any] | None = None):
+        self.fs, self.root = _open_fs(url, storage_options)
+        self.size = size
+
+    def entries(self) -> Iterator[StoredEntry]:
+        try:
+            paths = sorted(self.fs.find(self.root))
+        except FileNotFoundError:
+            return
+        for path in paths:
+            parsed = _parse_object_path(self.root, self.fs._strip_protocol(path))
+            if parsed is not None:
+                try:
+                    data = self.fs.cat_file(path)
+                except FileNotFoundError:
+                    continue  # deleted (evicted) since the listing
+                yield StoredEntry(path, parsed[1], parsed[0], data)
+
+    def delete(self, refs: Sequence[str]) -> None:
+        for path in refs:
+            try:
+                self.fs.rm_file(path)
+            except FileNotFoundError:
+                pass
+
+    def capacity_bytes(self) -> int | None:
+        return self.size or None
+
+
 def _mtime(info: dict) -> float:
     value = info.get("mtime") or info.get("LastModified") or info.get("created") or 0
     return value.timestamp() if hasattr(value, "timestamp") else float(value)
@@ -189,6 +250,7 @@ def corekv_register_tiers() -> list[TierSpec]:
     return [TierSpec(
         name="fsspec",
         factory=FsspecTier,
+        admin=FsspecAdmin,
         options={
             "url": Option("str", help="an fsspec URL: file:///data/kv, memory://kv, s3://bucket/prefix"),
             "size": Option("size", default=0, help="cap in bytes, LRU by mtime (0: no cap)", minimum=0),

@@ -1,4 +1,9 @@
-"""``lmdb``: KV blocks in an LMDB environment on local disk, shared by the machine's processes."""
+"""``lmdb``: KV blocks in an LMDB environment on local disk, shared by the machine's processes.
+
+The store's layout is written once, here, for the tier (one model's entries) and its admin view
+(every model's, for ``corekv store``): named DB ``blocks`` maps ``model digest[:6] + block hash``
+to the entry, named DB ``access`` maps the same keys to the last access time.
+"""
 from __future__ import annotations
 
 import logging
@@ -8,9 +13,10 @@ from collections.abc import Iterator, Sequence
 
 import lmdb
 
-from corekv.errors import ConfigError
+from corekv.errors import ConfigError, CoreKVError
 from corekv.plugin import Option, TierSpec, hookimpl
 from corekv.tier import BlockHash, Tier
+from corekv.tier_admin import StoreAdmin, StoredEntry
 from corekv.tiers.lmdb_file import close_lmdb, open_lmdb
 
 logger = logging.getLogger(__name__)
@@ -274,6 +280,51 @@ class LMDBTier(Tier):
                        self.name, what, type(error).__name__, error)
 
 
+class LMDBAdmin(StoreAdmin):
+    """The LMDB store at ``path`` seen whole: every model's entries (``corekv store``).
+
+    Takes the tier's options: ``size`` is the map size to open with, ``max_readers`` and ``sync``
+    as for the tier; ``evict_high`` and ``evict_low`` are accepted and unused (a view never
+    evicts). It counts as this process's one open of ``path``, as an :class:`LMDBTier` does.
+    """
+
+    def __init__(self, *, path: str, size: int, max_readers: int = 126, sync: bool = True,
+                 evict_high: float = 0.9, evict_low: float = 0.8):
+        self.path = os.path.realpath(os.fspath(path))
+        if not os.path.exists(self.path):
+            raise FileNotFoundError(f"no LMDB store at {self.path} (nothing was stored yet, or "
+                                    "cache.tiers[].path points elsewhere)")
+        try:
+            self.env = _open_store(self.path, size=size, max_readers=max_readers, sync=sync)
+        except ConfigError as e:
+            # NOTE: for the store tools a damaged store is a run-time failure (exit code 1),
+            # not a config field: the path is right, the data behind it is not.
+            raise CoreKVError(str(e)) from e
+        self._blocks = self.env.open_db(_BLOCKS_DB)
+        self._access = self.env.open_db(_ACCESS_DB)
+        self._is_closed = False
+
+    def entries(self) -> Iterator[StoredEntry]:
+        # NOTE: streamed inside one read transaction (a snapshot; writers are not blocked), so a
+        # 20 GiB store is never held in memory; callers delete only after iterating.
+        with self.env.begin() as txn:
+            for db_key, data in txn.cursor(db=self._blocks):
+                model, key = _split_db_key(db_key)
+                yield StoredEntry(db_key, key, model, data)
+
+    def delete(self, refs: Sequence[bytes]) -> None:
+        with self.env.begin(write=True) as txn:
+            _delete_db_keys(txn, refs, self._blocks, self._access)
+
+    def capacity_bytes(self) -> int:
+        return self.env.info()["map_size"]
+
+    def close(self) -> None:
+        if not self._is_closed:
+            self._is_closed = True
+            close_lmdb(self.env)
+
+
 def _open_store(path: str, *, size: int, max_readers: int, sync: bool) -> lmdb.Environment:
     return open_lmdb(path, map_size=size, max_dbs=2, max_readers=max_readers, lock=True,
                      subdir=True, sync=sync, metasync=sync)
@@ -291,6 +342,7 @@ def corekv_register_tiers() -> list[TierSpec]:
     return [TierSpec(
         name="lmdb",
         factory=LMDBTier,
+        admin=LMDBAdmin,
         options={
             "path": Option("str", help="directory of the LMDB environment, e.g. ./kvstore"),
             "size": Option("size", default=20 * 1024**3, help="LMDB map size (disk bytes)", minimum=1),

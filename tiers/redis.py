@@ -1,21 +1,62 @@
 """``redis``: KV blocks in a Redis server shared by engines on many machines.
 
-redis-py is imported only when a ``RedisTier`` is built, so loading this plugin (which every
-plugin manager does) costs nothing for an engine without a redis tier. Install it with
-``pip install 'corekv[redis]'``.
+redis-py is imported only when a ``RedisTier`` or its admin view is built, so loading this
+plugin (which every plugin manager does) costs nothing for an engine without a redis tier.
+Install it with ``pip install 'corekv[redis]'``.
+
+The layout is written once, here, for the tier (one model's keys) and its admin view (every
+model's, for ``corekv store``): one string per block under ``corekv:<fp12>:<hexhash>``.
 """
 from __future__ import annotations
 
 import logging
+import re
 import time
 from collections.abc import Iterator, Sequence
 
-from corekv.errors import ConfigError
+from corekv.errors import ConfigError, CoreKVError, describe_exception
 from corekv.plugin import Option, TierSpec, hookimpl
 from corekv.tier import BlockHash, Tier
+from corekv.tier_admin import StoreAdmin, StoredEntry
 
 logger = logging.getLogger(__name__)
 _SOCKET_READ_SIZE = 1 << 20
+_NAMESPACE = "corekv:"
+_REDIS_KEY = re.compile(re.escape(_NAMESPACE.encode()) + rb"([0-9a-f]{12}):((?:[0-9a-f]{2})+)")
+_GET_BATCH = 64  # keys per MGET when listing a whole server (blocks are up to ~1 MB)
+
+
+def _parse_redis_key(redis_key: bytes) -> tuple[str, BlockHash] | None:
+    """``(fp12, block hash)`` of a block's Redis key; ``None`` for any other key."""
+    match = _REDIS_KEY.fullmatch(redis_key)
+    return (match.group(1).decode(), bytes.fromhex(match.group(2).decode())) if match else None
+
+
+def _without_password(url: str) -> str:
+    """``url`` without its credentials, for messages and logs (which must never show a password)."""
+    scheme, separator, rest = url.partition("://")
+    return scheme + separator + rest.rsplit("@", 1)[-1]
+
+
+def _connect(url: str, socket_timeout: float):
+    """A redis-py client for ``url``; a URL redis-py cannot parse is a ConfigError for it."""
+    try:
+        import redis
+        from redis.backoff import NoBackoff
+        from redis.retry import Retry
+    except ImportError as e:
+        raise ValueError("the redis tier needs redis-py: pip install 'corekv[redis]'") from e
+    try:
+        # NOTE: redis-py's own retries would repeat a dead server's timeout inside every call;
+        # the tier's cool-down replaces them, and for the admin view a failure is an error.
+        # NOTE: a block is ~0.7 MB; with hiredis a 1 MiB socket read size halves the recv
+        # calls of a batch and doubles get bandwidth on loopback (no effect without it).
+        return redis.Redis.from_url(url, socket_timeout=socket_timeout or None,
+                                    socket_connect_timeout=socket_timeout or None,
+                                    retry=Retry(NoBackoff(), 0), socket_read_size=_SOCKET_READ_SIZE)
+    except ValueError as e:
+        raise ConfigError(f"url {url!r} is not a Redis URL ({e}); expected "
+                          "redis://[:password@]host:port/db or rediss://... for TLS", path="url") from e
 
 
 class RedisTier(Tier):
@@ -40,33 +81,18 @@ class RedisTier(Tier):
                  name: str | None = None):
         super().__init__(block_bytes=block_bytes, fingerprint=fingerprint, dtype=dtype, shape=shape,
                          name=name or "redis")
-        try:
-            import redis
-            from redis.backoff import NoBackoff
-            from redis.retry import Retry
-        except ImportError as e:
-            raise ValueError("the redis tier needs redis-py: pip install 'corekv[redis]'") from e
         for option, value in (("ttl", ttl), ("retry_interval", retry_interval),
                               ("socket_timeout", socket_timeout)):
             if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
                 raise ConfigError(f"{option} must be a number >= 0, got {value!r}", path=option)
         if not isinstance(ttl, int):
             raise ConfigError(f"ttl must be whole seconds (0: no expiry), got {ttl!r}", path="ttl")
-        try:
-            # NOTE: redis-py's own retries would repeat a dead server's timeout inside every
-            # call; the cool-down below replaces them.
-            # NOTE: a block is ~0.7 MB; with hiredis a 1 MiB socket read size halves the recv
-            # calls of a batch and doubles get bandwidth on loopback (no effect without it).
-            self._client = redis.Redis.from_url(url, socket_timeout=socket_timeout or None,
-                                                socket_connect_timeout=socket_timeout or None,
-                                                retry=Retry(NoBackoff(), 0),
-                                                socket_read_size=_SOCKET_READ_SIZE)
-        except ValueError as e:
-            raise ConfigError(f"url {url!r} is not a Redis URL ({e}); expected "
-                              "redis://[:password@]host:port/db or rediss://... for TLS", path="url") from e
+        self._client = _connect(url, socket_timeout)
+        import redis
+
         self._errors = (redis.RedisError, OSError)
-        self._prefix = f"corekv:{self.fp12}:"
-        self.url_for_logs = url.split("@")[-1]  # never log a password
+        self._prefix = f"{_NAMESPACE}{self.fp12}:"
+        self.url_for_logs = _without_password(url)
         self.ttl, self.retry_interval = ttl, retry_interval
         self._down_until = 0.0
         try:
@@ -94,8 +120,8 @@ class RedisTier(Tier):
         return self._call("scan", lambda: sum(1 for _ in self._scan())) or 0
 
     def keys(self) -> Iterator[BlockHash]:
-        found = self._call("scan", lambda: [bytes.fromhex(k[len(self._prefix):].decode())
-                                            for k in self._scan()]) or []
+        found = self._call("scan", lambda: [parsed[1] for parsed in map(_parse_redis_key, self._scan())
+                                            if parsed is not None]) or []
         return iter(found)
 
     # ---------------------------------------------------------------- primitives
@@ -160,11 +186,57 @@ class RedisTier(Tier):
         self._down_until = time.monotonic() + self.retry_interval
 
 
+class RedisAdmin(StoreAdmin):
+    """Every model's blocks on the Redis server at ``url`` (``corekv store``).
+
+    Takes the tier's options; ``socket_timeout`` bounds each call as for the tier, the others
+    (``ttl``, ``retry_interval``) are accepted and unused. Unlike the tier, a failing server is
+    an error here: a tool must not report an unreachable store as an empty one.
+    """
+
+    def __init__(self, *, url: str = "redis://127.0.0.1:6379/0", ttl: int = 0,
+                 retry_interval: float = 5.0, socket_timeout: float = 1.0):
+        self._client = _connect(url, socket_timeout)
+        import redis
+
+        try:
+            self._client.ping()
+        except (redis.RedisError, OSError) as e:
+            self._client.close()
+            raise CoreKVError(f"redis at {_without_password(url)} cannot be reached "
+                              f"({describe_exception(e)}); start it, or fix the url") from e
+
+    def entries(self) -> Iterator[StoredEntry]:
+        batch = []
+        for redis_key in self._client.scan_iter(match=f"{_NAMESPACE}*", count=1000):
+            if _parse_redis_key(redis_key) is not None:
+                batch.append(redis_key)
+            if len(batch) == _GET_BATCH:
+                yield from self._fetch(batch)
+                batch = []
+        yield from self._fetch(batch)
+
+    def delete(self, refs: Sequence[bytes]) -> None:
+        if refs:
+            self._client.delete(*refs)
+
+    def close(self) -> None:
+        self._client.close()
+
+    def _fetch(self, redis_keys: list[bytes]) -> Iterator[StoredEntry]:
+        values = self._client.mget(redis_keys) if redis_keys else []
+        for redis_key, data in zip(redis_keys, values):
+            if data is not None:  # expired or evicted since the scan
+                model, key = _parse_redis_key(redis_key)
+                yield StoredEntry(redis_key, key, model, data)
+
+
 @hookimpl
 def corekv_register_tiers() -> list[TierSpec]:
     return [TierSpec(
         name="redis",
         factory=RedisTier,
+        admin=RedisAdmin,
         options={
             "url": Option("str", default="redis://127.0.0.1:6379/0",
                           help="redis://[:password@]host:port/db, or rediss://... for TLS"),

@@ -1,7 +1,8 @@
 """Conformance suites that corekv's own and third-party backends and tiers subclass.
 
-``from corekv.testing import BackendTests`` (prefix-cache backends) or ``TierTests`` (storage
-tiers). The suites load on first use, so importing this package pulls in neither pytest nor torch.
+``from corekv.testing import BackendTests`` (prefix-cache backends), ``TierTests`` (storage
+tiers) or ``StoreAdminTests`` (a persistent tier's admin view). The suites load on first use, so
+importing this package pulls in neither pytest nor torch.
 """
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ _LAZY = {
     "Request": "corekv.testing.backend",
     "make_key": "corekv.testing.backend",
     "TierTests": "corekv.testing.tier",
+    "StoreAdminTests": "corekv.testing.tier_admin",
 }
 
 __getattr__ = lazy_getattr(__name__, _LAZY)
