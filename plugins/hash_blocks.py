@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from corekv.backend import BlockEvent, EvictedBlock, PrefixCacheBackend, check_count, stored_event
 from corekv.hashing import BlockHash, PrefixKey
 from corekv.plugin import BackendSpec, Option, hookimpl
-from corekv.plugins._pinning import PinBook, _check_key
+from corekv.plugins._pin_book import PinBook, _check_key
 
 
 class HashBlockBackend(PrefixCacheBackend):
@@ -29,7 +29,7 @@ class HashBlockBackend(PrefixCacheBackend):
     * the free queue is in eviction order: uncached blocks first (reused before any cached one),
       then cached-idle blocks from least to most recently released (``_lru`` order); a request's
       blocks are released tail first, so a prefix's last block is evicted before its first;
-    * pinned blocks hold an extra reference (:class:`~corekv.plugins._pinning.PinBook`), so they
+    * pinned blocks hold an extra reference (:class:`~corekv.plugins._pin_book.PinBook`), so they
       never reach the free queue.
     """
 

@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from corekv.backend import BlockEvent, EvictCallback, PrefixCacheBackend, check_count
 from corekv.hashing import BlockHash, PrefixKey
 from corekv.plugin import BackendSpec, Option, hookimpl
-from corekv.plugins._pinning import PinBook, _check_key
+from corekv.plugins._pin_book import PinBook, _check_key
 from corekv.plugins._radix_tree import Node, RadixTreeOps
 
 
