@@ -289,7 +289,7 @@ def _cmd_config(args: argparse.Namespace) -> int:
 
 def _cmd_bench_hit_rate(args: argparse.Namespace) -> int:
     from corekv import bench
-    from corekv.config_values import did_you_mean
+    from corekv.config.values import did_you_mean
 
     workloads = None
     if args.workloads is not None:

@@ -9,7 +9,7 @@ import argparse
 import os
 
 from corekv.cli import UsageError, _load, _parser_kwargs, number_arg
-from corekv.config_values import SIZE_EXAMPLES, parse_size
+from corekv.config.values import SIZE_EXAMPLES, parse_size
 
 #: where --api-key is read from when the flag is not given (corekv route's clients' key too)
 API_KEY_ENV = "COREKV_API_KEY"

@@ -16,7 +16,7 @@ import pluggy
 
 if TYPE_CHECKING:
     from corekv.backend import BlockEvent
-    from corekv.plugin import BackendSpec, TierSpec
+    from corekv.specs import BackendSpec, ConfigSectionSpec, TierSpec
 
 hookspec = pluggy.HookspecMarker("corekv")
 
@@ -41,6 +41,24 @@ def corekv_register_tiers() -> list[TierSpec]:
 
     :returns: a list of :class:`corekv.plugin.TierSpec`, each naming a tier type
         (``cache.tiers[i].type`` in the config), its factory and its options schema.
+
+    .. versionadded:: 0.1
+    """
+
+
+@hookspec
+def corekv_register_config_sections() -> list[ConfigSectionSpec]:
+    """Register the top-level config sections a plugin reads (``kv_events:``).
+
+    ``corekv.load_config`` validates each section as it validates its own fields and a tier's
+    options: unknown keys are errors with a "did you mean", values are checked against the
+    :class:`corekv.plugin.Option` schema, defaults are filled in, ``COREKV_<SECTION>__<KEY>``
+    variables override them, and the spec's ``check`` runs once on the result for rules between
+    fields. The plugin reads the validated values from ``config.sections[name]`` (also
+    ``config.<name>``) and does not check them again.
+
+    :returns: a list of :class:`corekv.plugin.ConfigSectionSpec`, each naming a section (a
+        top-level key that is not one of corekv's own), its options schema and an optional check.
 
     .. versionadded:: 0.1
     """
@@ -85,7 +103,7 @@ def corekv_on_engine_closed(engine: Any) -> None:
 
     :param engine: the :class:`corekv.Engine` (no longer serving requests).
 
-    .. versionadded:: 0.2
+    .. versionadded:: 0.1
     """
 
 
@@ -99,8 +117,6 @@ def corekv_on_blocks_stored(events: list[BlockEvent]) -> None:
         whose blocks are partly cached already gives one event per run of new blocks.
 
     .. versionadded:: 0.1
-    .. versionchanged:: 0.1 ``parent_block_hash``, ``token_ids`` and ``block_size`` (for KV-event
-        publishers such as the ``kv_events`` plugin).
     """
 
 
@@ -113,7 +129,6 @@ def corekv_on_blocks_removed(events: list[BlockEvent]) -> None:
         that was cached (possibly none), and nothing cached before it remains.
 
     .. versionadded:: 0.1
-    .. versionchanged:: 0.1 ``is_cleared``.
     """
 
 

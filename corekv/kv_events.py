@@ -39,7 +39,7 @@ from dataclasses import dataclass
 from typing import Any, Union
 
 from corekv.errors import CoreKVError
-from corekv.config_values import describe_value
+from corekv.config.values import describe_value
 
 logger = logging.getLogger(__name__)
 

@@ -1,4 +1,4 @@
-"""Plugin specs and the plugin manager.
+"""The plugin manager (the spec types plugins return live in :mod:`corekv.specs`, re-exported here).
 
 There is no global plugin manager: :func:`make_plugin_manager` builds one. It loads the modules
 registered under the ``corekv`` entry-point group (corekv's own builtin backends and tiers are
@@ -14,8 +14,8 @@ import importlib
 import importlib.metadata
 import inspect
 import os
+import re
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass, field
 from types import ModuleType
 from typing import Any
 
@@ -23,6 +23,7 @@ import pluggy
 
 from corekv import hookspecs
 from corekv.errors import PluginError
+from corekv.specs import OPTION_KINDS, BackendSpec, ConfigSectionSpec, Option, TierSpec
 
 ENTRY_POINT_GROUP = "corekv"
 AUTOLOAD_ENV = "COREKV_DISABLE_PLUGIN_AUTOLOAD"
@@ -30,63 +31,12 @@ OWN_DISTRIBUTION = "corekv"
 
 hookimpl = pluggy.HookimplMarker("corekv")
 
-_REQUIRED = object()
-OPTION_KINDS = ("int", "float", "str", "bool", "size")
-
-
-@dataclass(frozen=True)
-class Option:
-    """One option a backend or tier accepts in the config.
-
-    :param kind: ``int``, ``float``, ``str``, ``bool`` or ``size`` (bytes; accepts ``"2GiB"``).
-    :param default: the value when the option is absent; omit it to make the option required.
-    :param choices: allowed values, if the option is an enumeration.
-    :param minimum: smallest allowed value for numbers and sizes.
-    """
-
-    kind: str
-    default: Any = _REQUIRED
-    help: str = ""
-    choices: tuple[Any, ...] = ()
-    minimum: float | None = None
-
-    def __post_init__(self) -> None:
-        if self.kind not in OPTION_KINDS:
-            raise ValueError(f"Option kind {self.kind!r} is not one of {OPTION_KINDS}")
-
-    @property
-    def is_required(self) -> bool:
-        return self.default is _REQUIRED
-
-
-@dataclass(frozen=True)
-class _Spec:
-    name: str
-    factory: Callable[..., Any]
-    options: Mapping[str, Option] = field(default_factory=dict)
-    description: str = ""
-    #: filled in by the plugin manager: the distribution and module the spec came from
-    plugin: str = ""
-    distribution: str = ""
-
-
-@dataclass(frozen=True)
-class BackendSpec(_Spec):
-    """A prefix-cache backend: ``factory(num_blocks, block_size, **options)`` returns a
-    :class:`corekv.backend.PrefixCacheBackend`."""
-
-
-@dataclass(frozen=True)
-class TierSpec(_Spec):
-    """A storage tier: ``factory(**options, block_bytes=..., fingerprint=...)`` returns a
-    :class:`corekv.tier.Tier` (options as validated from ``cache.tiers[i]``).
-
-    :param admin: for a tier whose entries outlive the process, ``admin(**options)`` returns a
-        :class:`corekv.tier_admin.StoreAdmin` over its whole store (every model's entries), which
-        ``corekv store`` reads; ``None`` (an in-memory tier) leaves the tier out of those tools.
-    """
-
-    admin: Callable[..., Any] | None = None
+#: re-exported: plugins import the spec types from here (``from corekv.plugin import Option, TierSpec``)
+__all__ = [
+    "AUTOLOAD_ENV", "BackendSpec", "ConfigSectionSpec", "ENTRY_POINT_GROUP", "OPTION_KINDS", "Option",
+    "PluginManager", "TierSpec", "available_plugins", "hook_signature", "hook_signatures", "hookimpl",
+    "make_plugin_manager", "option_info",
+]
 
 
 class _CorekvPluggy(pluggy.PluginManager):
@@ -111,8 +61,9 @@ class PluginManager:
     """A typed facade over a :class:`pluggy.PluginManager` for corekv's hooks.
 
     Invariant: every registered plugin's hook implementations name a ``corekv_*`` hookspec
-    (checked on every registration), and backend/tier names are unique across plugins (checked
-    each time :meth:`backends` / :meth:`tiers` collects them).
+    (checked on every registration), and backend, tier and config section names are unique across
+    plugins (checked each time :meth:`backends` / :meth:`tiers` / :meth:`config_sections` collects
+    them).
     """
 
     def __init__(self, pm: pluggy.PluginManager, module_to_distribution: dict[str, str]):
@@ -134,6 +85,10 @@ class PluginManager:
     def tiers(self) -> dict[str, TierSpec]:
         return self._collect(self.hook.corekv_register_tiers, "tier")
 
+    def config_sections(self) -> dict[str, ConfigSectionSpec]:
+        """``{section name: spec}`` of the top-level config sections plugins declare."""
+        return self._collect(self.hook.corekv_register_config_sections, "config section")
+
     def plugin_names(self) -> dict[str, str]:
         """``{plugin name: distribution}`` for every registered plugin."""
         return {
@@ -143,8 +98,8 @@ class PluginManager:
         }
 
     def _collect(self, hook, what: str) -> dict:
-        spec_type = BackendSpec if what == "backend" else TierSpec
-        specs: dict[str, _Spec] = {}
+        spec_type = _SPEC_TYPES[what]
+        specs: dict[str, Any] = {}
         for impl in hook.get_hookimpls():  # registration order (pluggy calls them in reverse)
             plugin_name = self.pm.get_name(impl.plugin) or ""
             try:
@@ -168,6 +123,11 @@ class PluginManager:
         return specs
 
 
+_SPEC_TYPES = {"backend": BackendSpec, "tier": TierSpec, "config section": ConfigSectionSpec}
+#: a section name is also the COREKV_<SECTION>__<KEY> variable's first part (read lowercased)
+_SECTION_NAME = re.compile(r"[a-z][a-z0-9]*(_[a-z0-9]+)*")
+
+
 def _checked_specs(returned: Any, spec_type: type, plugin_name: str, hook_name: str) -> list:
     """The specs a registration hook returned, after checking their shape (a plugin bug
     otherwise surfaces far away, when the engine calls a factory)."""
@@ -181,7 +141,7 @@ def _checked_specs(returned: Any, spec_type: type, plugin_name: str, hook_name: 
             raise PluginError(f"{where} returned {spec!r} in its list; expected {spec_type.__name__} objects")
         if not isinstance(spec.name, str) or not spec.name:
             raise PluginError(f"{where} returned a {spec_type.__name__} named {spec.name!r}; expected a non-empty string")
-        if not callable(spec.factory):
+        if not isinstance(spec, ConfigSectionSpec) and not callable(spec.factory):
             raise PluginError(f"{where}: {spec.name!r} has factory {spec.factory!r}; expected a callable")
         if getattr(spec, "admin", None) is not None and not callable(spec.admin):
             raise PluginError(f"{where}: {spec.name!r} has admin {spec.admin!r}; expected a callable or None")
@@ -189,7 +149,25 @@ def _checked_specs(returned: Any, spec_type: type, plugin_name: str, hook_name: 
             isinstance(k, str) and isinstance(v, Option) for k, v in spec.options.items()
         ):
             raise PluginError(f"{where}: {spec.name!r} has options {spec.options!r}; expected a mapping of str to corekv.plugin.Option")
+        if isinstance(spec, ConfigSectionSpec):
+            _check_section_spec(spec, where)
     return list(returned)
+
+
+def _check_section_spec(spec: ConfigSectionSpec, where: str) -> None:
+    if not _SECTION_NAME.fullmatch(spec.name):
+        raise PluginError(f"{where} returned a ConfigSectionSpec named {spec.name!r}; expected lowercase "
+                          "letters, digits and single underscores (it is also COREKV_<NAME>__<KEY>), "
+                          "e.g. 'kv_events'")
+    if spec.check is not None and not callable(spec.check):
+        raise PluginError(f"{where}: {spec.name!r} has check {spec.check!r}; expected a callable or None")
+    # NOTE: a section's values are read as attributes too (config.kv_events.endpoint), so an option
+    # may not be named like a method of the mapping that holds them.
+    hidden = sorted(k for k in spec.options if not k.isidentifier() or k.startswith("_") or hasattr(Mapping, k))
+    if hidden:
+        raise PluginError(f"{where}: {spec.name!r} has options named {hidden}; expected identifiers "
+                          "that do not start with _ and are not mapping methods (get, items, keys, "
+                          "values): rename them")
 
 
 def _entry_points() -> Iterable[importlib.metadata.EntryPoint]:
@@ -286,7 +264,8 @@ def _distribution_of(module_name: str) -> str:
 
 
 def available_plugins(plugins: Iterable[str | object] = ()) -> dict[str, dict[str, dict[str, str]]]:
-    """``{"backends": {name: info}, "tiers": {name: info}, "plugins": {name: info}}``.
+    """``{"backends": {name: info}, "tiers": {name: info}, "config_sections": {name: info},
+    "plugins": {name: info}}``.
 
     ``info`` has ``description``, ``plugin`` (the plugin that registered it), ``distribution``
     and ``options`` (``{name: {"kind", "required", "default", "choices", "minimum", "help"}}``).
@@ -298,6 +277,7 @@ def available_plugins(plugins: Iterable[str | object] = ()) -> dict[str, dict[st
     return {
         "backends": {n: describe(s) for n, s in sorted(manager.backends().items())},
         "tiers": {n: describe(s) for n, s in sorted(manager.tiers().items())},
+        "config_sections": {n: describe(s) for n, s in sorted(manager.config_sections().items())},
         "plugins": {n: {"distribution": d} for n, d in sorted(manager.plugin_names().items())},
     }
 

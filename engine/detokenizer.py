@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from corekv.config_values import describe_value
+from corekv.config.values import describe_value
 
 __all__ = ["IncrementalDetokenizer", "find_stop"]
 

@@ -10,7 +10,7 @@ from corekv.errors import CoreKVError
 from corekv.engine.outputs import CompletionOutput, RequestOutput
 from corekv.engine.sampling import SamplingParams
 from corekv.engine.sequence import Sequence
-from corekv.config_values import describe_value
+from corekv.config.values import describe_value
 
 __all__ = ["Request", "RequestRejectedError", "as_prompt_list", "per_prompt", "check_request_fits",
            "check_prompt_chars", "max_prompt_chars", "num_prompt_chars", "make_output"]

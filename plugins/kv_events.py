@@ -30,14 +30,62 @@ from collections import deque
 from typing import Any
 
 from corekv.errors import ConfigError
-from corekv.plugin import hookimpl
+from corekv.plugin import ConfigSectionSpec, Option, hookimpl
 
 logger = logging.getLogger(__name__)
 
 PUBLISHER_NAME = "corekv.plugins.kv_events:publisher"
+SECTION = "kv_events"
 #: hosts whose endpoint is bound (vLLM binds only wildcards; a loopback address binds here too, so
 #: a local-only publisher needs no wildcard); any other host is connected to (a broker or proxy)
 BIND_HOSTS = ("*", "::", "[::]", "0.0.0.0", "localhost", "[::1]")
+
+
+_ZMQ_ADDRESS = dict(pattern=r"(tcp|ipc|inproc)://\S+",
+                    pattern_text="a ZMQ address such as tcp://*:5557, ipc:///tmp/kv-events or "
+                                 "inproc://kv-events")
+
+#: the ``kv_events:`` section of the config, validated by load_config
+OPTIONS = {
+    "enabled": Option("bool", default=False,
+                      help="publish KV events (needs pyzmq and msgpack: corekv[events])"),
+    "endpoint": Option("str", default="tcp://127.0.0.1:5557", **_ZMQ_ADDRESS,
+                       help="the PUB socket: bound when the host is *, :: or a loopback address (or "
+                            "ipc://, inproc://), else connected to; the default listens on loopback, "
+                            "for subscribers on this machine only (tcp://*:5557 listens on every "
+                            "interface: firewall it)"),
+    "replay_endpoint": Option("str", default=None, **_ZMQ_ADDRESS,
+                              help="a ROUTER socket (always bound) that resends buffered batches "
+                                   "from a sequence number; none: no replay"),
+    "topic": Option("str", default="", allow_empty=True,
+                    help="the topic frame of every message, which subscribers filter on "
+                         "(\"\": the empty topic)"),
+    "buffer_steps": Option("int", default=10000, minimum=1, help="batches kept for replay"),
+    "hwm": Option("int", default=100000, minimum=1,
+                  help="most batches waiting to be sent (the publisher queue and the PUB socket's "
+                       "high-water mark); past it batches are dropped and counted"),
+    "include_token_ids": Option("bool", default=True,
+                                help="send each stored block's token ids (false: empty lists, so "
+                                     "subscribers cannot read prompts, and a router cannot match "
+                                     "prompts to the blocks: corekv route then routes on the "
+                                     "prompts it sent)"),
+}
+
+
+def check_section(values: Any) -> None:
+    """The rule between the section's fields: the two sockets need two addresses."""
+    # NOTE: port 0 asks for a free port, so two sockets may both say tcp://127.0.0.1:0.
+    if values.replay_endpoint == values.endpoint and not values.endpoint.endswith(":0"):
+        raise ConfigError(f"kv_events.replay_endpoint: got {values.replay_endpoint!r}, the same "
+                          "address as kv_events.endpoint; expected another port or path, e.g. "
+                          "tcp://127.0.0.1:5558", path="kv_events.replay_endpoint")
+
+
+@hookimpl
+def corekv_register_config_sections() -> list:
+    return [ConfigSectionSpec(SECTION, options=OPTIONS, check=check_section,
+                              description="KV event publishing: the device cache's block events "
+                                          "as vLLM-compatible KV events on a ZMQ PUB socket")]
 
 
 class KVEventPublisher:
@@ -56,6 +104,8 @@ class KVEventPublisher:
     CLOSE_TIMEOUT_S = 2.0
 
     def __init__(self, config: Any, *, block_size: int):
+        """:param config: the ``kv_events`` section as ``load_config`` validated it
+            (``cfg.kv_events``); read as it is, never checked again."""
         try:
             import zmq
             import msgpack  # noqa: F401  (encode_batch needs it; fail here, not on the thread)
@@ -256,7 +306,8 @@ def publisher_for(engine: Any) -> Any:
 # blocks, and those events must find the publisher registered.
 @hookimpl(tryfirst=True)
 def corekv_on_engine_started(engine: Any) -> None:
-    section = getattr(engine.config, "kv_events", None)
+    # NOTE: a config built by hand, not by load_config, may lack the section: then nothing is on.
+    section = engine.config.sections.get(SECTION)
     if section is None or not section.enabled:
         return
     publisher = KVEventPublisher(section, block_size=engine.block_size)

@@ -22,17 +22,13 @@ from corekv.plugin import hookimpl
 logger = logging.getLogger(__name__)
 
 
-def pinned_prompt(entry: Any, index: int) -> Any:
-    """The prompt ``engine.warm`` receives for ``cache.pinned[index]``."""
-    where = f"cache.pinned[{index}]"
-    has_text, has_ids = entry.text is not None, entry.token_ids is not None
-    if has_text == has_ids:
-        raise ConfigError(f"{where}: give exactly one of text / token_ids, got "
-                          f"{'both' if has_text else 'neither'}; e.g. {{text: \"You are ...\"}}")
-    if has_ids:
-        if entry.chat:
-            raise ConfigError(f"{where}: chat: true applies to text, but the entry has token_ids; "
-                              "drop chat or give text")
+def pinned_prompt(entry: Any) -> Any:
+    """The prompt ``engine.warm`` receives for a ``cache.pinned`` entry.
+
+    NOTE: ``load_config`` already guarantees exactly one of ``text`` / ``token_ids`` and ``chat``
+    only with ``text``; the entry is read as it is.
+    """
+    if entry.token_ids is not None:
         return list(entry.token_ids)
     return [{"role": "system", "content": entry.text}] if entry.chat else entry.text
 
@@ -41,7 +37,7 @@ def pinned_prompt(entry: Any, index: int) -> Any:
 def corekv_on_engine_started(engine: Any) -> None:
     """Warm and pin every ``cache.pinned`` entry; an error names the entry (``cache.pinned[2]``)."""
     for index, entry in enumerate(engine.config.cache.pinned):
-        prompt = pinned_prompt(entry, index)
+        prompt = pinned_prompt(entry)
         try:
             num_tokens = engine.warm(prompt, pin=True, cache_salt=entry.salt)
         except Exception as e:

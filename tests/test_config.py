@@ -15,10 +15,10 @@ from hypothesis import strategies as st
 
 import corekv
 from corekv.config import (
-    CacheConfig, Config, EngineConfig, IntegrityConfig, KVEventsConfig, PinnedPrefix, TierConfig, config_reference, dump_config,
+    CacheConfig, Config, EngineConfig, IntegrityConfig, PinnedPrefix, TierConfig, config_reference, dump_config,
     load_config,
 )
-from corekv.config_values import format_size, parse_size
+from corekv.config.values import format_size, parse_size
 from corekv.plugin import BackendSpec, Option, TierSpec, hookimpl, make_plugin_manager
 
 
@@ -223,11 +223,25 @@ def test_num_blocks_wins_over_kv_cache_memory(pm):
 
 def test_defaults_fill_every_field_and_the_result_is_frozen(pm):
     cfg = load({"cache": TOY}, pm)
-    assert cfg == Config(cache=CacheConfig(backend="toy_radix",
-                                           backend_options={"page_size": 1, "policy": "lru"}))
+    assert dataclasses.replace(cfg, sections={}) == Config(
+        cache=CacheConfig(backend="toy_radix", backend_options={"page_size": 1, "policy": "lru"}))
+    # every plugin's section is there too (the builtin kv_events here), with its declared defaults
+    assert cfg.sections == {name: {key: option.default for key, option in spec.options.items()}
+                            for name, spec in pm.config_sections().items()}
+    assert set(cfg.sections) == {"kv_events"}
     assert cfg.engine == EngineConfig()
     with pytest.raises(dataclasses.FrozenInstanceError):
         cfg.model = "other"  # type: ignore[misc]
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        cfg.kv_events.enabled = True
+
+
+def test_an_absent_cache_section_is_read_like_an_empty_one(pm):
+    """So the default backend is checked and its declared defaults filled in."""
+    cfg = load({}, pm)
+    assert cfg == load({"cache": {}}, pm)
+    declared = pm.backends()["radix"].options
+    assert declared and cfg.cache.backend_options == {name: o.default for name, o in declared.items()}
 
 
 def test_empty_lists_may_be_left_blank(pm):
@@ -418,10 +432,12 @@ def test_reference_has_a_row_per_field_with_help_and_defaults(pm):
     assert text.startswith("| Field | Accepts | Default | Description |\n|---|---|---|---|\n")
 
     def paths(cls, prefix=""):
-        sections = ("engine", "cache", "kv_events", "integrity")
-        nested = {"engine": EngineConfig, "cache": CacheConfig, "kv_events": KVEventsConfig,
+        sections = ("engine", "cache", "integrity")
+        nested = {"engine": EngineConfig, "cache": CacheConfig,
                   "pinned": PinnedPrefix, "tiers": TierConfig, "integrity": IntegrityConfig}
         for f in dataclasses.fields(cls):
+            if f.name == "sections":
+                continue  # the plugins' sections: test_reference_has_a_row_per_option_of_every_plugin_section
             sub = nested.get(f.name)
             if f.name not in sections:
                 yield prefix + f.name, f
@@ -439,6 +455,24 @@ def test_reference_has_a_row_per_field_with_help_and_defaults(pm):
     assert "| `engine.kv_cache_memory` | a non-zero size such as 512MiB, 20GiB, 1.5GB or a whole " \
            "number of bytes | 256MiB |" in text
     assert "| `engine.scheduling` | one of lpm, fcfs | lpm |" in text
+
+
+def test_reference_has_a_row_per_option_of_every_plugin_section(pm):
+    text = config_reference(pm)
+    lines = text.splitlines()
+    for name, spec in pm.config_sections().items():
+        for key, option in spec.options.items():
+            row = next((line for line in lines if line.startswith(f"| `{name}.{key}` |")), None)
+            assert row is not None, f"no reference row for {name}.{key}"
+            assert option.help.replace("|", "\\|") in row
+
+    def index(path):
+        return next(i for i, line in enumerate(lines) if line.startswith(f"| `{path}"))
+
+    # where the section sits in the file: after corekv's cache fields, before plugins
+    assert index("cache.integrity.key_env") < index("kv_events.enabled") < index("plugins")
+    assert "| `kv_events.enabled` | true or false | false |" in text
+    assert "`kv_events." not in config_reference()  # without a manager, no plugin is known
 
 
 def test_reference_lists_plugin_options_when_given_a_manager(pm):
@@ -524,7 +558,10 @@ engine_fields = st.fixed_dictionaries({}, optional={
 
 @given(engine=engine_fields, fraction=st.floats(0, 1), device=st.sampled_from(["auto", "cpu", "cuda", "cuda:3"]))
 def test_valid_configs_round_trip_through_dump(pm, engine, fraction, device):
-    cfg = load({"engine": engine, "device": device, "cache": {**TOY, "max_pinned_fraction": fraction}}, pm)
+    # NOTE: preemption: swap is valid only with a host tier (test_swap_preemption_needs_a_host_tier)
+    tiers = [{"type": "host", "size": "1MiB"}] if engine.get("preemption") == "swap" else []
+    cfg = load({"engine": engine, "device": device,
+                "cache": {**TOY, "max_pinned_fraction": fraction, "tiers": tiers}}, pm)
     assert (cfg.engine.num_blocks is None) != (cfg.engine.kv_cache_memory is None)
     assert load(yaml.safe_load(yaml.safe_dump(dump_config(cfg))), pm) == cfg
 
@@ -541,6 +578,20 @@ def test_reference_names_the_registered_backends_and_tier_types(pm):
     assert f"| `cache.backend` | a registered name: {', '.join(sorted(pm.backends()))} | radix |" in text
     assert f"| `cache.tiers[].type` | a registered name: {', '.join(sorted(pm.tiers()))} | required |" in text
     assert "| `cache.backend` | a non-empty string | radix |" in config_reference()
+
+
+def test_swap_preemption_needs_a_host_tier(pm):
+    """Checked here, once, so an engine never starts to find it out."""
+    without = {"engine": {"preemption": "swap"}, "cache": {**TOY, "tiers": [{"type": "toy_disk", "path": "kv"}]}}
+    message = ("engine.preemption: 'swap' parks preempted sequences' KV in a host tier, but cache.tiers "
+               "has none (types: ['toy_disk']); add `- {type: host, size: 1GiB}` to cache.tiers or use "
+               "preemption: recompute")
+    error = error_of(without, pm)
+    assert (str(error), error.path) == (message, "engine.preemption")
+    assert str(error_of({"cache": TOY}, pm, COREKV_ENGINE__PREEMPTION="swap")).endswith(
+        "or use preemption: recompute (set by COREKV_ENGINE__PREEMPTION)")
+    with_host = {"engine": {"preemption": "swap"}, "cache": {**TOY, "tiers": [{"type": "host", "size": "1MiB"}]}}
+    assert load(with_host, pm).engine.preemption == "swap"
 
 
 def test_offload_settings_for_the_cache_manager(pm):

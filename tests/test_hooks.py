@@ -10,10 +10,14 @@ from pathlib import Path
 import pytest
 
 from corekv import hookspecs
-from corekv.plugin import BackendSpec, Option, TierSpec, hook_signatures, hookimpl, make_plugin_manager
+from corekv.plugin import (
+    BackendSpec, ConfigSectionSpec, Option, TierSpec, hook_signatures, hookimpl, make_plugin_manager,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 HOOKS = hook_signatures()
+#: what a registration hook may return a list of
+SPEC_TYPES = {"BackendSpec", "TierSpec", "ConfigSectionSpec"}
 
 
 def documented_headings() -> list[str]:
@@ -53,7 +57,9 @@ def test_every_hook_follows_the_naming_and_documentation_rules(name):
     firstresult = spec.corekv_spec["firstresult"]
     assert firstresult == ("firstresult" in doc), f"{name}: say in its docstring whether it is firstresult"
     if name.startswith("corekv_register_"):
-        assert HOOKS[name].endswith("-> list[BackendSpec]") or HOOKS[name].endswith("-> list[TierSpec]")
+        returned = re.search(r"-> list\[(\w+)\]$", HOOKS[name])
+        assert returned and returned[1] in SPEC_TYPES, (
+            f"{name} must return a list of one of corekv.specs' types {sorted(SPEC_TYPES)}")
     if name.startswith("corekv_on_"):
         assert HOOKS[name].endswith("-> None") and not firstresult
 
@@ -69,6 +75,10 @@ class Registrar:
         return [TierSpec("hooktest_tier", factory=dict, description="d")]
 
     @hookimpl
+    def corekv_register_config_sections(self):
+        return [ConfigSectionSpec("hooktest_section", options={"on": Option("bool", default=False)})]
+
+    @hookimpl
     def corekv_resolve_model(self, name):
         return "/models/hooktest" if name == "hooktest-alias" else None
 
@@ -77,8 +87,10 @@ def test_register_hooks_are_collected_from_every_plugin():
     manager = make_plugin_manager([Registrar()])
     assert manager.backends()["hooktest_backend"].options["k"].default == 1
     assert manager.tiers()["hooktest_tier"].plugin == "Registrar"
+    assert manager.config_sections()["hooktest_section"].plugin == "Registrar"
     # the builtin plugins answered the same hooks
     assert {"radix", "hash_blocks"} <= set(manager.backends())
+    assert "kv_events" in manager.config_sections()
 
 
 def test_resolve_model_returns_the_first_answer_or_none():

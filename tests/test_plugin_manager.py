@@ -313,15 +313,18 @@ def test_hook_signature_reads_like_the_source():
 
 
 # -- the plugin guide's examples run -----------------------------------------------------------------
-def guide_code_blocks() -> list[str]:
+def guide_code_block(containing: str) -> str:
+    """The python block of docs/plugins.md that contains ``containing`` (there is exactly one)."""
     text = (ROOT / "docs" / "plugins.md").read_text()
-    return re.findall(r"```python\n(.*?)```", text, flags=re.S)
+    blocks = [b for b in re.findall(r"```python\n(.*?)```", text, flags=re.S) if containing in b]
+    assert len(blocks) == 1, f"docs/plugins.md has {len(blocks)} python blocks with {containing!r}"
+    return blocks[0]
 
 
 def test_the_guides_example_tier_works(site, tmp_path):
     from corekv.tier import make_tier
 
-    (site / "kv_memo.py").write_text(guide_code_blocks()[0])
+    (site / "kv_memo.py").write_text(guide_code_block("class MemoTier(Tier)"))
     cfg = load_config({"plugins": ["kv_memo"], "cache": {"tiers": [{"type": "memo", "max_entries": 2}]}}, env={})
     tier_config = cfg.cache.tiers[0]
     assert tier_config.options == {"max_entries": 2}
@@ -335,7 +338,31 @@ def test_the_guides_example_tier_works(site, tmp_path):
 
 
 def test_the_guides_hook_testing_example_works():
-    exec(compile(guide_code_blocks()[1], "docs/plugins.md", "exec"), {})
+    exec(compile(guide_code_block("class Recorder"), "docs/plugins.md", "exec"), {})
+
+
+def test_the_guides_config_section_example_works(site):
+    """docs/plugins.md's log_shipper (corekv_register_config_sections): validated by load_config,
+    read as given by the plugin."""
+    (site / "log_shipper.py").write_text(guide_code_block("def corekv_register_config_sections"))
+    with pytest.raises(corekv.ConfigError, match=r"^log_shipper.url: got none with enabled: true"):
+        load_config({"plugins": ["log_shipper"], "log_shipper": {"enabled": True}}, env={})
+    with pytest.raises(corekv.ConfigError, match=r"^log_shipper.url: got 'tcp://x:1'; expected a udp:// address"):
+        load_config({"plugins": ["log_shipper"], "log_shipper": {"url": "tcp://x:1"}}, env={})
+    cfg = load_config({"plugins": ["log_shipper"]},
+                      env={"COREKV_LOG_SHIPPER__ENABLED": "true", "COREKV_LOG_SHIPPER__URL": "udp://127.0.0.1:514",
+                           "COREKV_LOG_SHIPPER__BUFFER": "4MiB"})
+    assert cfg.log_shipper == {"enabled": True, "url": "udp://127.0.0.1:514", "buffer": 4 * 2**20}
+    import log_shipper
+
+    class FakeEngine:
+        config = cfg
+
+    log_shipper.corekv_on_engine_started(FakeEngine())
+    assert log_shipper.SHIPPED == [("udp://127.0.0.1:514", 4 * 2**20)]
+    assert available_plugins(["log_shipper"])["config_sections"]["log_shipper"]["options"]["buffer"] == {
+        "kind": "size", "required": False, "default": "1MiB", "choices": [], "minimum": 1,
+        "help": "bytes kept before sending"}
 
 
 def test_an_entry_point_named_like_a_builtin_plugin_is_rejected(site, monkeypatch):

@@ -15,7 +15,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from corekv.config_values import describe_value, did_you_mean
+from corekv.config.values import describe_value, did_you_mean
 from corekv.engine.sampling import SamplingParams
 
 __all__ = ["APIError", "GenerateRequest", "error_body", "parse_json", "parse_completion",

@@ -144,8 +144,12 @@ def test_unpin_releases_what_warm_pinned(tiny_llama):
 
 
 def test_a_bad_pinned_entry_is_named_in_the_error(tiny_llama):
-    with pytest.raises(ConfigError, match=r"cache\.pinned\[1\].*exactly one of text / token_ids"):
-        make_engine(tiny_llama, pinned=[PinnedPrefix(text="fine"), PinnedPrefix()])
+    # NOTE: load_config checks the entries, once; the pinned plugin trusts what it read
+    with pytest.raises(ConfigError, match=r"^cache\.pinned\[1\]: got neither text nor token_ids; "
+                                          r"expected exactly one of them"):
+        Engine.from_config({"model": "tiny", "engine": {"num_blocks": 64, "block_size": 16},
+                            "cache": {"backend": "hash_blocks", "pinned": [{"text": "fine"}, {}]}},
+                           model=tiny_llama)
     with pytest.raises(ConfigError, match=r"cache\.pinned\[0\] \(100 token ids\).*max_pinned_fraction"):
         make_engine(tiny_llama, pinned=[PinnedPrefix(token_ids=tuple(range(3, 103)))],
                     max_pinned_fraction=0.05)

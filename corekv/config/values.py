@@ -1,7 +1,9 @@
 """Checking single config values: sizes with units, scalar kinds and constraints, "did you mean".
 
 Used by :mod:`corekv.config` for its own fields and for the options plugins declare
-(:class:`corekv.plugin.Option`), so both are validated, and worded, the same way.
+(:class:`corekv.plugin.Option`), so both are validated, and worded, the same way; and by any
+module whose errors quote a received value (:func:`describe_value`) or suggest a name
+(:func:`did_you_mean`). It imports nothing of corekv.
 """
 from __future__ import annotations
 
@@ -93,6 +95,14 @@ class Check:
     suggestions: tuple[str, ...] = ()
     #: a string may be empty (e.g. kv_events.topic, where "" is a meaningful value)
     allow_empty: bool = False
+
+    @classmethod
+    def for_option(cls, option: Any) -> Check:
+        """The check a plugin's :class:`corekv.plugin.Option` declares (its kind, choices,
+        minimum, pattern and whether ``""`` is a value)."""
+        return cls(option.kind, choices=tuple(option.choices), minimum=option.minimum,
+                   pattern=option.pattern, pattern_text=option.pattern_text,
+                   allow_empty=option.allow_empty)
 
     def expected(self) -> str:
         if self.choices:

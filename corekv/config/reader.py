@@ -1,55 +1,34 @@
-"""Reading plain data (parsed YAML, a mapping, environment overrides) into the config dataclasses.
+"""Reading plain data (parsed YAML, a mapping, environment overrides applied) into a
+:class:`~corekv.config.schema.Config`: every field, every plugin's declared options and sections,
+and every rule between fields, checked once, here.
 
-Kept apart from :mod:`corekv.config` so that module stays the readable contract (the dataclasses and
-the three public functions) and this one the mechanics of checking them.
+The engine, the factories and the plugins trust what this returns; a rule they would otherwise
+re-check in their own words belongs in :class:`ConfigReader` instead.
 """
 from __future__ import annotations
 
-import functools
 import importlib.util
-import typing
 from collections.abc import Mapping
 from dataclasses import Field, fields, is_dataclass
-from pathlib import Path
 from typing import Any
 
-import yaml
-
-from corekv.config import (
-    ENV_PREFIX, CacheConfig, Config, EngineConfig, PinnedPrefix, TierConfig,
+from corekv.config.schema import (
+    CORE_KEYS, CacheConfig, Config, EngineConfig, PinnedPrefix, Section, TierConfig, field_check,
+    field_types, top_level_keys,
 )
-from corekv.config_values import Check, describe_value, did_you_mean, parse_size
-from corekv.errors import ConfigError
-
-
-@functools.cache
-def field_types(cls: type) -> dict[str, tuple[Any, bool, bool]]:
-    """``{field: (item type, is a list, accepts None)}`` from the dataclass's type hints."""
-    result = {}
-    for name, hint in typing.get_type_hints(cls).items():
-        args = typing.get_args(hint)
-        optional = type(None) in args
-        if optional:
-            hint = next(a for a in args if a is not type(None))
-        is_list = typing.get_origin(hint) is tuple
-        result[name] = (typing.get_args(hint)[0] if is_list else hint, is_list, optional)
-    return result
-
-
-def field_check(cls: type, f: Field) -> Check:
-    """The :class:`Check` a scalar field (or each item of a list field) must pass."""
-    check = dict(f.metadata["check"])
-    item_type = field_types(cls)[f.name][0]
-    kind = check.pop("kind", None) or {int: "int", float: "float", str: "str", bool: "bool"}[item_type]
-    return Check(kind, **check)
+from corekv.config.values import Check, describe_value, did_you_mean, parse_size
+from corekv.errors import ConfigError, PluginError
+from corekv.plugin import make_plugin_manager
 
 
 class ConfigReader:
     """Turns plain data into a :class:`corekv.config.Config`.
 
-    Invariant: every value reaches a dataclass only after passing its field's :class:`Check` (or
-    its plugin's declared :class:`corekv.plugin.Option`); the first bad one raises ``ConfigError``
-    naming its path, the value, what was expected and where it came from (file or variable).
+    Invariant: every value reaches a dataclass or a :class:`Section` only after passing its
+    field's :class:`Check` (or its plugin's declared :class:`corekv.plugin.Option`), and a config
+    is returned only after every rule between fields held (a section's own ``check`` included);
+    the first bad value raises ``ConfigError`` naming its path, the value, what was expected and
+    where it came from (file or variable).
     """
 
     def __init__(self, plugin_manager: Any, origin: str = ""):
@@ -59,12 +38,16 @@ class ConfigReader:
         self.env_sources: dict[str, str] = {}
 
     def error(self, path: str, message: str) -> ConfigError:
+        return ConfigError(f"{path or 'config'}: {message}{self.note(path)}", path=path)
+
+    def note(self, path: str) -> str:
+        """`` (in cache.yaml)`` or `` (set by COREKV_ENGINE__BLOCK_SIZE)``: where ``path`` came from."""
         note = f" ({self.origin})" if self.origin else ""
         for set_path, var in self.env_sources.items():
             if (path == set_path or path.startswith((set_path + ".", set_path + "["))
                     or set_path.startswith((path + ".", path + "["))):
                 note = f" (set by {var})"
-        return ConfigError(f"{path or 'config'}: {message}{note}", path=path)
+        return note
 
     def plain(self, value: Any, path: str = "") -> Any:
         """A deep copy with dicts and lists only (keys checked to be strings)."""
@@ -77,17 +60,62 @@ class ConfigReader:
             return [self.plain(v, f"{path}[{i}]") for i, v in enumerate(value)]
         return value
 
-    # -- sections ------------------------------------------------------------------------------
-    def read_config(self, raw: Any) -> Config:
-        self.mapping(raw, "", Config)
+    # -- plugins ---------------------------------------------------------------------------------
+    def load_plugins(self, raw: Any) -> Any:
+        """The plugin manager the config is checked against: the one given, else one built from
+        the entry points and ``raw``'s ``plugins:`` (checked first)."""
         if self.plugin_manager is None:
-            from corekv.plugin import make_plugin_manager
-
+            self.check_top_level_mapping(raw)
             plugins = self.value(raw.get("plugins"), Config, _field(Config, "plugins"), "plugins")
             for i, module in enumerate(plugins):
                 self.check_importable(module, f"plugins[{i}]")
             self.plugin_manager = make_plugin_manager(plugins)
-        return self.dataclass(Config, raw, "")
+        return self.plugin_manager
+
+    def section_specs(self, raw: Any) -> dict[str, Any]:
+        """``{name: ConfigSectionSpec}`` of the registered sections, sorted by name."""
+        specs = self.load_plugins(raw).config_sections()
+        for name, spec in specs.items():
+            if name in CORE_KEYS or name == "sections":
+                raise PluginError(f"plugin {spec.plugin!r} registers the config section {name!r}, "
+                                  f"which is corekv's own ({', '.join(CORE_KEYS)}); rename the "
+                                  "section in the plugin")
+        return dict(sorted(specs.items()))
+
+    def top_level_keys(self, raw: Any) -> list[str]:
+        return top_level_keys(self.section_specs(raw))
+
+    # -- sections ------------------------------------------------------------------------------
+    def read_config(self, raw: Any) -> Config:
+        self.check_top_level_mapping(raw)
+        specs = self.section_specs(raw)
+        self.check_keys(raw, top_level_keys(specs), "")
+        # NOTE: cache is read when absent too, so its backend is checked and the backend's
+        # declared defaults are filled in (CacheConfig() alone would leave backend_options empty).
+        raw = {"cache": {}, **raw}
+        kwargs = {f.name: self.value(raw[f.name], Config, f, f.name)
+                  for f in fields(Config) if f.name in raw and f.name != "sections"}
+        kwargs["sections"] = {name: self.section(spec, raw[name] if name in raw else {}, name)
+                              for name, spec in specs.items()}
+        config = Config(**kwargs)
+        self.check_preemption(config)
+        return config
+
+    def section(self, spec: Any, raw: Any, path: str) -> Section:
+        """A plugin's section: its options checked and filled in, then its ``check``."""
+        self.mapping(raw, path, keys=list(spec.options))
+        section = Section(spec.name, self.options(raw, spec.options, path, ""))
+        if spec.check is None:
+            return section
+        try:
+            spec.check(section)
+        except ConfigError as e:
+            raise ConfigError(f"{e}{self.note(e.path or path)}", path=e.path or path) from None
+        except Exception as e:
+            raise PluginError(f"plugin {spec.plugin!r}: the check of config section {spec.name!r} "
+                              f"failed ({type(e).__name__}: {e}); fix or uninstall the package that "
+                              "provides it") from e
+        return section
 
     def dataclass(self, cls: type, raw: Any, path: str) -> Any:
         if cls is CacheConfig:
@@ -104,7 +132,7 @@ class ConfigReader:
         return cls(**kwargs)
 
     def fields_of(self, cls: type, raw: Any, path: str, skip: tuple[str, ...] = ()) -> dict:
-        self.mapping(raw, path, cls)
+        self.mapping(raw, path, keys=[f.name for f in fields(cls)])
         self.check_keys(raw, [f.name for f in fields(cls)], path)
         return {f.name: self.value(raw[f.name], cls, f, _join(path, f.name))
                 for f in fields(cls) if f.name in raw and f.name not in skip}
@@ -175,29 +203,34 @@ class ConfigReader:
     def options(self, raw: Any, schema: Mapping[str, Any], path: str, owner: str,
                 extra_keys: tuple[str, ...] = ()) -> dict[str, Any]:
         """Validate ``raw`` against a plugin's ``{name: Option}`` schema; fill in defaults."""
-        self.mapping(raw, path, None)
+        self.mapping(raw, path)
         self.check_keys(raw, [*extra_keys, *schema], path, owner)
         result = {}
         for name, option in schema.items():
             option_path = _join(path, name)
             if name in raw and not (raw[name] is None and option.default is None):
-                check = Check(option.kind, choices=tuple(option.choices), minimum=option.minimum)
-                result[name] = self.checked(raw[name], check, option_path)
+                result[name] = self.checked(raw[name], Check.for_option(option), option_path)
             elif name in raw or not option.is_required:
                 default = option.default
                 result[name] = parse_size(default) if option.kind == "size" and isinstance(default, str) else default
             else:
-                check = Check(option.kind, choices=tuple(option.choices), minimum=option.minimum)
                 about = f" ({option.help})" if option.help else ""
-                raise self.error(option_path, f"missing; expected {check.expected()}{about}, "
-                                 f"required{owner}")
+                raise self.error(option_path, f"missing; expected {Check.for_option(option).expected()}"
+                                 f"{about}, required{owner}")
         return result
 
     # -- checks ----------------------------------------------------------------------------------
-    def mapping(self, raw: Any, path: str, cls: type | None) -> None:
+    def check_top_level_mapping(self, raw: Any) -> None:
         if not isinstance(raw, dict):
-            keys = f" with keys {', '.join(f.name for f in fields(cls))}" if cls else ""
-            raise self.error(path, f"got {describe_value(raw)}; expected a mapping{keys}")
+            # NOTE: the section names in the message need a plugin manager; without one (a file
+            # that is not a mapping has no plugins: list) the entry points' sections are listed.
+            manager = self.plugin_manager or make_plugin_manager()
+            self.mapping(raw, "", keys=top_level_keys(sorted(manager.config_sections())))
+
+    def mapping(self, raw: Any, path: str, keys: list[str] | None = None) -> None:
+        if not isinstance(raw, dict):
+            with_keys = f" with keys {', '.join(keys)}" if keys else ""
+            raise self.error(path, f"got {describe_value(raw)}; expected a mapping{with_keys}")
 
     def list_of(self, raw: Any, path: str) -> list:
         if raw is None:  # NOTE: `tiers:` with every entry commented out is an empty list
@@ -233,6 +266,15 @@ class ConfigReader:
             raise self.error(_join(path, "chat"), "got true with token_ids; expected chat: true "
                              "only with text (token ids are used as given)")
 
+    def check_preemption(self, config: Config) -> None:
+        """``engine.preemption: swap`` parks preempted sequences' KV in a host tier, so
+        ``cache.tiers`` must have one (whether it starts is the engine's to find out)."""
+        types = [t.type for t in config.cache.tiers]
+        if config.engine.preemption == "swap" and "host" not in types:
+            raise self.error("engine.preemption", "'swap' parks preempted sequences' KV in a host "
+                             f"tier, but cache.tiers has none (types: {types}); add "
+                             "`- {type: host, size: 1GiB}` to cache.tiers or use preemption: recompute")
+
     def check_importable(self, module: str, path: str) -> None:
         try:
             found = importlib.util.find_spec(module) is not None
@@ -241,98 +283,6 @@ class ConfigReader:
         if not found:
             raise self.error(path, f"got {module!r}; expected an importable module name; install "
                              "the package that provides it or fix the name")
-
-
-def apply_env_overrides(raw: dict, env: Mapping[str, str], reader: ConfigReader) -> None:
-    """Set ``COREKV_<SECTION>__<KEY>[__<KEY>...]`` variables into ``raw`` (shallowest first).
-
-    A one-part name counts only if it is a top-level field (``COREKV_MODEL``), so unrelated
-    variables like ``COREKV_CONFIG`` pass through; a name with ``__`` must name a real section.
-    """
-    top = [f.name for f in fields(Config)]
-    overrides = []
-    for var, text in env.items():
-        if not var.startswith(ENV_PREFIX):
-            continue
-        parts = var[len(ENV_PREFIX):].lower().split("__")
-        if len(parts) == 1 and parts[0] not in top:
-            continue
-        overrides.append((len(parts), var, parts, text))
-    for _, var, parts, text in sorted(overrides):
-        if parts[0] not in top or not all(parts):
-            hint = did_you_mean(parts[0], top)
-            raise ConfigError(f"{var}: unknown config section {parts[0]!r}{hint}"
-                              f"{' E' if hint else '; e'}xpected COREKV_<SECTION>__<KEY> with a section among "
-                              f"{', '.join(top)} (e.g. COREKV_ENGINE__BLOCK_SIZE=32)", path=parts[0])
-        node, path = raw, ""
-        for i, part in enumerate(parts):
-            if isinstance(node, list) and part.isdigit():
-                if int(part) >= len(node):
-                    raise ConfigError(f"{var}: {path} has {len(node)} entries, so there is no entry "
-                                      f"{part}; expected an index below {len(node)}", path=path)
-                key, child_path = int(part), f"{path}[{part}]"
-            elif isinstance(node, dict):
-                key, child_path = part, _join(path, part)
-            else:
-                raise ConfigError(f"{var}: cannot set {part!r} inside {path}, which holds "
-                                  f"{describe_value(node)}; expected a mapping there", path=path)
-            if i == len(parts) - 1:
-                node[key] = parse_yaml(text, var, is_env=True)
-            else:
-                if isinstance(node, dict) and node.get(key) is None:
-                    if parts[i + 1].isdigit():
-                        raise ConfigError(
-                            f"{var}: {child_path} is not set, so it has no entry {parts[i + 1]}; "
-                            f"expected the whole list instead, e.g. {ENV_PREFIX}"
-                            f"{'__'.join(parts[:i + 1]).upper()}='[...]'", path=child_path)
-                    node[key] = {}
-                node = node[key]
-            path = child_path
-        reader.env_sources[path] = var
-
-
-class _StrictLoader(yaml.SafeLoader):
-    """``yaml.SafeLoader`` that rejects a key given twice in one mapping (YAML would keep the
-    last silently, which hides typos such as two ``tiers:`` sections)."""
-
-    def construct_mapping(self, node, deep=False):
-        seen: dict[Any, int] = {}
-        for key_node, _ in node.value:
-            if key_node.tag == "tag:yaml.org,2002:merge":
-                continue
-            key = self.construct_object(key_node, deep=deep)
-            if isinstance(key, typing.Hashable) and key in seen:
-                raise yaml.constructor.ConstructorError(
-                    None, None, f"duplicate key {key!r} (first given on line {seen[key] + 1})",
-                    key_node.start_mark)
-            seen[key] = key_node.start_mark.line
-        return super().construct_mapping(node, deep=deep)
-
-
-def parse_yaml(text: str, where: str, *, is_env: bool = False) -> Any:
-    try:
-        return yaml.load(text, Loader=_StrictLoader)
-    except yaml.YAMLError as e:
-        mark = getattr(e, "problem_mark", None)
-        at = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
-        problem = getattr(e, "problem", None) or str(e)
-        if is_env:
-            raise ConfigError(f"{where}: got {text!r}, which is not valid YAML ({problem}); expected "
-                              "a YAML value such as 32, radix, 2GiB or [a, b]") from e
-        raise ConfigError(f"{where}: invalid YAML{at}: {problem}") from e
-
-
-def read_yaml_file(path: Path, via: str = "") -> Any:
-    try:
-        text = path.read_text(encoding="utf-8")
-    except FileNotFoundError:
-        raise ConfigError(f"config file {str(path)!r}{via} not found; expected a YAML file: check "
-                          "the path (relative paths start at the current directory)") from None
-    except (OSError, UnicodeDecodeError) as e:
-        raise ConfigError(f"config file {str(path)!r}{via} cannot be read ({e}); expected a "
-                          "readable UTF-8 YAML file") from e
-    data = parse_yaml(text, str(path))
-    return {} if data is None else data
 
 
 def _field(cls: type, name: str) -> Field:

@@ -1,0 +1,166 @@
+"""Where a config comes from: a YAML file (or a mapping), then ``COREKV_*`` environment variables,
+read in that order into one plain mapping that :class:`~corekv.config.reader.ConfigReader` checks.
+
+Precedence, lowest first: the defaults, the YAML file (or mapping), then
+``COREKV_<SECTION>__<KEY>`` environment variables (``COREKV_ENGINE__BLOCK_SIZE=32``,
+``COREKV_MODEL=...``, ``COREKV_KV_EVENTS__ENABLED=true`` for a plugin's section).
+"""
+from __future__ import annotations
+
+import os
+import typing
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from corekv.config.reader import ConfigReader
+from corekv.config.schema import CORE_KEYS, Config
+from corekv.config.values import describe_value, did_you_mean
+from corekv.errors import ConfigError
+
+CONFIG_ENV = "COREKV_CONFIG"
+ENV_PREFIX = "COREKV_"
+
+
+def load_config(
+    source: str | os.PathLike | Mapping | None = None,
+    *,
+    env: Mapping[str, str] | None = None,
+    plugin_manager: Any = None,
+) -> Config:
+    """Load and validate a configuration.
+
+    :param source: a YAML file path, or the same data as a mapping; ``None`` reads the file named
+        by ``COREKV_CONFIG``, or uses the defaults when it is unset.
+    :param env: environment for ``COREKV_CONFIG`` and ``COREKV_<SECTION>__<KEY>`` overrides
+        (values parsed as YAML scalars); default ``os.environ``. Pass ``{}`` to ignore it.
+    :param plugin_manager: checks backend and tier names and options, and the plugins' config
+        sections, against its plugins; default: ``make_plugin_manager(config's plugins)``.
+    :raises ConfigError: naming the field path, the value received, what was expected.
+    """
+    if env is None:
+        env = os.environ
+    elif not isinstance(env, Mapping):
+        raise TypeError(f"load_config(env=...) got {env!r}; expected a mapping such as os.environ")
+    origin = ""
+    if source is None and env.get(CONFIG_ENV):
+        source, origin = env[CONFIG_ENV], f" (named by {CONFIG_ENV})"
+    if source is None:
+        raw: Any = {}
+    elif isinstance(source, (str, os.PathLike)):
+        raw = read_yaml_file(Path(source), origin)
+        origin = f"in {os.fspath(source)}"
+    elif isinstance(source, Mapping):
+        raw, origin = source, ""
+    else:
+        raise TypeError(f"load_config(source=...) got {source!r}; expected a YAML file path, a "
+                        "mapping, or None (COREKV_CONFIG or the defaults)")
+    reader = ConfigReader(plugin_manager, origin=origin)
+    raw = reader.plain(raw)
+    apply_env_overrides(raw, env, reader)
+    return reader.read_config(raw)
+
+
+def apply_env_overrides(raw: Any, env: Mapping[str, str], reader: ConfigReader) -> None:
+    """Set ``COREKV_<SECTION>__<KEY>[__<KEY>...]`` variables into ``raw`` (shallowest first).
+
+    A one-part name counts only if it is a top-level key (``COREKV_MODEL``, ``COREKV_KV_EVENTS``),
+    so unrelated variables like ``COREKV_CONFIG`` pass through; a name with ``__`` must name a
+    real section. corekv's own sections go first: ``COREKV_PLUGINS`` can add the plugins whose
+    sections the other variables then name.
+    """
+    overrides = []
+    for var, text in env.items():
+        if var.startswith(ENV_PREFIX):
+            overrides.append((var, var[len(ENV_PREFIX):].lower().split("__"), text))
+    is_own = [o[1][0] in CORE_KEYS and all(o[1]) for o in overrides]
+    _apply(raw, [o for o, own in zip(overrides, is_own) if own], list(CORE_KEYS), reader)
+    others = [o for o, own in zip(overrides, is_own) if not own]
+    if not others:
+        return
+    top = reader.top_level_keys(raw)  # NOTE: builds the plugin manager, from the final plugins:
+    _apply(raw, [o for o in others if len(o[1]) > 1 or o[1][0] in top], top, reader)
+
+
+def _apply(raw: Any, overrides: list, top: list[str], reader: ConfigReader) -> None:
+    for var, parts, text in sorted(overrides, key=lambda o: (len(o[1]), o[0])):
+        if parts[0] not in top or not all(parts):
+            hint = did_you_mean(parts[0], top)
+            raise ConfigError(f"{var}: unknown config section {parts[0]!r}{hint}"
+                              f"{' E' if hint else '; e'}xpected COREKV_<SECTION>__<KEY> with a section among "
+                              f"{', '.join(top)} (e.g. COREKV_ENGINE__BLOCK_SIZE=32)", path=parts[0])
+        node, path = raw, ""
+        for i, part in enumerate(parts):
+            if isinstance(node, list) and part.isdigit():
+                if int(part) >= len(node):
+                    raise ConfigError(f"{var}: {path} has {len(node)} entries, so there is no entry "
+                                      f"{part}; expected an index below {len(node)}", path=path)
+                key, child_path = int(part), f"{path}[{part}]"
+            elif isinstance(node, dict):
+                key, child_path = part, _join(path, part)
+            else:
+                raise ConfigError(f"{var}: cannot set {part!r} inside {path}, which holds "
+                                  f"{describe_value(node)}; expected a mapping there", path=path)
+            if i == len(parts) - 1:
+                node[key] = parse_yaml(text, var, is_env=True)
+            else:
+                if isinstance(node, dict) and node.get(key) is None:
+                    if parts[i + 1].isdigit():
+                        raise ConfigError(
+                            f"{var}: {child_path} is not set, so it has no entry {parts[i + 1]}; "
+                            f"expected the whole list instead, e.g. {ENV_PREFIX}"
+                            f"{'__'.join(parts[:i + 1]).upper()}='[...]'", path=child_path)
+                    node[key] = {}
+                node = node[key]
+            path = child_path
+        reader.env_sources[path] = var
+
+
+class _StrictLoader(yaml.SafeLoader):
+    """``yaml.SafeLoader`` that rejects a key given twice in one mapping (YAML would keep the
+    last silently, which hides typos such as two ``tiers:`` sections)."""
+
+    def construct_mapping(self, node, deep=False):
+        seen: dict[Any, int] = {}
+        for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":
+                continue
+            key = self.construct_object(key_node, deep=deep)
+            if isinstance(key, typing.Hashable) and key in seen:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"duplicate key {key!r} (first given on line {seen[key] + 1})",
+                    key_node.start_mark)
+            seen[key] = key_node.start_mark.line
+        return super().construct_mapping(node, deep=deep)
+
+
+def parse_yaml(text: str, where: str, *, is_env: bool = False) -> Any:
+    try:
+        return yaml.load(text, Loader=_StrictLoader)
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        at = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+        problem = getattr(e, "problem", None) or str(e)
+        if is_env:
+            raise ConfigError(f"{where}: got {text!r}, which is not valid YAML ({problem}); expected "
+                              "a YAML value such as 32, radix, 2GiB or [a, b]") from e
+        raise ConfigError(f"{where}: invalid YAML{at}: {problem}") from e
+
+
+def read_yaml_file(path: Path, via: str = "") -> Any:
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise ConfigError(f"config file {str(path)!r}{via} not found; expected a YAML file: check "
+                          "the path (relative paths start at the current directory)") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise ConfigError(f"config file {str(path)!r}{via} cannot be read ({e}); expected a "
+                          "readable UTF-8 YAML file") from e
+    data = parse_yaml(text, str(path))
+    return {} if data is None else data
+
+
+def _join(path: str, key: str) -> str:
+    return f"{path}.{key}" if path else key
