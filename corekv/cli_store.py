@@ -10,8 +10,10 @@ import json
 import re
 import sys
 
-from corekv.cli import (EXIT_RUNTIME, UsageError, _int_at_least, _load, _Parser, _parser_kwargs,
-                        _print_table)
+from corekv.cli.args import (EXIT_RUNTIME, Parser as _Parser, UsageError,
+                             int_at_least as _int_at_least, load_config_arg as _load,
+                             parser_kwargs as _parser_kwargs)
+from corekv.cli.output import print_table as _print_table
 
 
 def add_store_commands(commands, common) -> None:

@@ -1,8 +1,8 @@
 """``corekv route``: the command-line side of :mod:`corekv.router`.
 
-Split from :mod:`corekv.cli` like :mod:`corekv.cli_store`; it reuses the CLI's parser class, usage
-errors and argument types. The config (``--config``) names the workers' model: the router loads
-only its tokenizer, to see prompts as the workers' engines do.
+The config (``--config``) names the workers' model: the router loads only its tokenizer, to see
+prompts as the workers' engines do. The router speaks the workers' API, so its client key
+(``$COREKV_API_KEY``) and request size limit are spelled as ``corekv serve``'s.
 """
 from __future__ import annotations
 
@@ -10,8 +10,9 @@ import argparse
 import sys
 from urllib.parse import urlsplit
 
-from corekv.cli import UsageError, _float_at_least, _int_at_least, _load, _parser_kwargs, number_arg
-from corekv.cli_serve import API_KEY_ENV, DEFAULT_MAX_REQUEST_BYTES, api_key_arg, size_arg
+from corekv.cli.args import (API_KEY_ENV, DEFAULT_MAX_REQUEST_BYTES, UsageError, api_key_arg,
+                             float_at_least, fraction, int_at_least, load_config_arg, parser_kwargs,
+                             port_arg, positive_seconds, size_arg)
 from corekv.router.policy import POLICY_NAMES
 
 DEFAULT_PORT = 8080
@@ -21,7 +22,7 @@ WORKER_API_KEY_ENV = "COREKV_WORKER_API_KEY"
 
 def add_route_command(commands, common) -> None:
     p = commands.add_parser("route", parents=[common], help="route requests across workers",
-                            **_parser_kwargs(
+                            **parser_kwargs(
                                 "A cache-aware router in front of several `corekv serve` workers.\n"
                                 "Each OpenAI request goes to the worker most likely to hold its "
                                 "prompt's prefix\n(known from the workers' KV events, else from the "
@@ -43,28 +44,28 @@ def add_route_command(commands, common) -> None:
     p.add_argument("--workers", metavar="URL", nargs="+", required=True,
                    help="the workers' base URLs (http://HOST:PORT), each once")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)")
-    p.add_argument("--port", metavar="P", type=_port, default=DEFAULT_PORT,
+    p.add_argument("--port", metavar="P", type=port_arg(can_pick_free=False), default=DEFAULT_PORT,
                    help=f"port to listen on (default: {DEFAULT_PORT})")
     p.add_argument("--policy", choices=POLICY_NAMES, default="cache_aware",
                    help="cache_aware (default) or round_robin (the cache-blind baseline)")
-    p.add_argument("--cache-threshold", metavar="F", type=_fraction, default=0.3,
+    p.add_argument("--cache-threshold", metavar="F", type=fraction, default=0.3,
                    help="follow the longest cached prefix when it covers at least this fraction "
                         "of the prompt, else pick the worker with the most free cache "
                         "(default: 0.3)")
-    p.add_argument("--balance-abs-threshold", metavar="N", type=_int_at_least(0), default=32,
+    p.add_argument("--balance-abs-threshold", metavar="N", type=int_at_least(0), default=32,
                    help="load is imbalanced when the most and least loaded workers' in-flight "
                         "requests differ by more than N ... (default: 32)")
-    p.add_argument("--balance-rel-threshold", metavar="R", type=_float_at_least(1.0), default=1.5,
+    p.add_argument("--balance-rel-threshold", metavar="R", type=float_at_least(1.0), default=1.5,
                    help="... and the most loaded has more than R times the least's; then the least "
                         "loaded worker gets the request (default: 1.5)")
-    p.add_argument("--health-interval", metavar="S", type=_positive_seconds, default=2.0,
+    p.add_argument("--health-interval", metavar="S", type=positive_seconds, default=2.0,
                    help="seconds between health checks of each worker (default: 2)")
-    p.add_argument("--max-retries", metavar="N", type=_int_at_least(0), default=2,
+    p.add_argument("--max-retries", metavar="N", type=int_at_least(0), default=2,
                    help="other workers to try when a worker fails before answering (default: 2)")
-    p.add_argument("--tree-blocks", metavar="N", type=_int_at_least(1), default=65536,
+    p.add_argument("--tree-blocks", metavar="N", type=int_at_least(1), default=65536,
                    help="blocks each worker's cache view keeps when it is built from routed prompts "
                         "(least recently routed evicted first; default: 65536)")
-    p.add_argument("--request-timeout", metavar="S", type=_positive_seconds, default=600.0,
+    p.add_argument("--request-timeout", metavar="S", type=positive_seconds, default=600.0,
                    help="seconds to wait for a worker's answer (or next stream bytes) "
                         "(default: 600)")
     p.add_argument("--api-key", metavar="KEY",
@@ -97,7 +98,7 @@ def cmd_route(args: argparse.Namespace) -> int:
         raise UsageError(f"--workers: got {', '.join(duplicates)} more than once; name each worker once")
     api_key = api_key_arg(args.api_key, "--api-key", API_KEY_ENV)
     worker_api_key = api_key_arg(args.worker_api_key, "--worker-api-key", WORKER_API_KEY_ENV)
-    cfg = _load(args)
+    cfg = load_config_arg(args)
     tokenizer = load_tokenizer(cfg.model, plugin_manager=make_plugin_manager(cfg.plugins))
     policy = make_policy(args.policy, CacheAwareConfig(
         cache_threshold=args.cache_threshold, balance_abs_threshold=args.balance_abs_threshold,
@@ -124,8 +125,3 @@ def _worker_url(text: str) -> str:
         raise UsageError(f"--workers: got {text!r}; expected a worker's base URL "
                          "http://HOST:PORT (e.g. http://127.0.0.1:8001), without a path")
     return f"{parts.scheme}://{parts.netloc}"
-
-
-_port = number_arg(int, "a port number 1-65535", low=1, high=65535)
-_fraction = number_arg(float, "a number in [0, 1]", low=0.0, high=1.0)
-_positive_seconds = number_arg(float, "seconds > 0", low=0.0, above=True)
