@@ -18,7 +18,7 @@ from corekv.cli.generate import add_generate_command, add_warm_command
 from corekv.cli.plugins import add_plugins_command
 from corekv.cli.route import add_route_command
 from corekv.cli.serve import add_serve_command
-from corekv.cli_store import add_store_commands
+from corekv.cli.store import add_store_commands
 
 _EXIT_CODES_HELP = (
     "config: --config FILE, else $COREKV_CONFIG, else the built-in defaults (`corekv config` shows\n"

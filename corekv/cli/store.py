@@ -1,8 +1,6 @@
-"""``corekv store stats|ls|verify|clear``: the command-line side of :mod:`corekv.store`.
-
-Split from :mod:`corekv.cli` (which builds the parser and runs the handlers) to keep each module
-about one thing; it reuses the CLI's parser class, usage errors and table printer.
-"""
+"""``corekv store stats|ls|verify|clear``: the command-line side of :mod:`corekv.store`, which
+opens the config's persistent tiers through their admin views (no model is loaded, except by
+``clear`` without ``--model``/``--all-models``, for the config's model's fingerprint)."""
 from __future__ import annotations
 
 import argparse
@@ -10,15 +8,14 @@ import json
 import re
 import sys
 
-from corekv.cli.args import (EXIT_RUNTIME, Parser as _Parser, UsageError,
-                             int_at_least as _int_at_least, load_config_arg as _load,
-                             parser_kwargs as _parser_kwargs)
-from corekv.cli.output import print_table as _print_table
+from corekv.cli.args import (EXIT_RUNTIME, Parser, UsageError, int_at_least, load_config_arg,
+                             parser_kwargs)
+from corekv.cli.output import print_table
 
 
 def add_store_commands(commands, common) -> None:
     store = commands.add_parser("store", parents=[common], help="inspect, verify or clear a store",
-                                **_parser_kwargs(
+                                **parser_kwargs(
                                     "Inspect the persistent tiers (lmdb, fsspec, redis) of a config "
                                     "without loading the model: every entry's header names its "
                                     "model, dtype and shape, so stores shared by several models "
@@ -28,7 +25,7 @@ def add_store_commands(commands, common) -> None:
                                     "  corekv store verify --config cache.yaml --delete-bad\n"
                                     "  corekv store clear --config cache.yaml --all-models --yes\n"))
     sub = store.add_subparsers(dest="store_command", metavar="ACTION", required=True,
-                               parser_class=_Parser)
+                               parser_class=Parser)
     tier_help = "only this tier (its name in cache.tiers; default: every inspectable tier)"
     for name, help_text, description, examples in (
             ("stats", "entries, bytes, capacity and models per tier",
@@ -49,11 +46,11 @@ def add_store_commands(commands, common) -> None:
              "  corekv store clear --yes\n  corekv store clear --all-models --yes\n"
              "  corekv store clear --model 0123456789ab --yes\n")):
         p = sub.add_parser(name, parents=[common], help=help_text,
-                           **_parser_kwargs(description, examples))
+                           **parser_kwargs(description, examples))
         p.add_argument("--tier", metavar="NAME", help=tier_help)
         p.add_argument("--json", action="store_true", help="print JSON")
         if name == "ls":
-            p.add_argument("--limit", metavar="N", type=_int_at_least(1),
+            p.add_argument("--limit", metavar="N", type=int_at_least(1),
                            help="list at most N entries per tier")
         if name == "verify":
             p.add_argument("--delete-bad", action="store_true", help="delete the bad entries")
@@ -68,7 +65,7 @@ def add_store_commands(commands, common) -> None:
 def cmd_store(args: argparse.Namespace) -> int:
     from corekv import store
 
-    cfg = _load(args)
+    cfg = load_config_arg(args)
     action = args.store_command
     if action == "clear":
         if args.all_models and args.model:
@@ -161,9 +158,9 @@ def _store_ls(views, limit: int | None, as_json: bool) -> int:
     if as_json:
         print(json.dumps(rows, indent=2))
     else:
-        _print_table("Entries", ("TIER", "KEY", "BYTES", "MODEL", "DTYPE", "SHAPE"),
-                     [(r["tier"], r["key"], r["bytes"], r["model"], r["dtype"], r["shape"])
-                      for r in rows])
+        print_table("Entries", ("TIER", "KEY", "BYTES", "MODEL", "DTYPE", "SHAPE"),
+                    [(r["tier"], r["key"], r["bytes"], r["model"], r["dtype"], r["shape"])
+                     for r in rows])
     return 0
 
 
