@@ -22,7 +22,9 @@ again on the admission path (inside TTFT) for a write that eviction makes anyway
 NOTE: an offloaded block goes to *every* tier that does not already hold it (each checked with
 ``exists``), not only the first: with ``host`` above ``lmdb`` the fast tier catches re-use within
 the process while the persistent one survives restarts. ``offload_min_hits`` keeps blocks that
-were never re-used off the tiers (SSD wear). Blocks cached by a request that opted out
+were never re-used off the tiers (SSD wear): a block qualifies when it was hit on the device (or
+reloaded) that often while resident, and its count is dropped when it is evicted, so the counts
+cover the pool's blocks, not every block ever seen. Blocks cached by a request that opted out
 (``on_cached(..., offload=False)``) are kept off the tiers until they leave the device.
 
 Swap: ``swap_out`` writes a preempted sequence's blocks to one tier synchronously (the slots are
@@ -66,6 +68,18 @@ class CacheManager:
     ``queue_blocks`` blocks, or one batch if that batch alone is larger; prefetches stage at most
     ``prefetch_blocks`` blocks at once; tier failures never raise into the engine (the tiers count
     them as misses, skips or faults).
+
+    Bounded state: ``hit_counts`` is empty when ``offload_min_hits`` is 0; otherwise it counts
+    only blocks on the device (a count starts at a block's device hit or reload and is dropped
+    when the block is evicted, after the offload decision) and never holds more than the pool's
+    ``num_blocks`` entries, the least recently counted dropped first. ``opted_out`` holds only
+    hashes cached on the device (dropped when evicted). Neither grows with the number of requests
+    served or of distinct blocks seen.
+
+    NOTE: the ``num_blocks`` cap backs the eviction rule up for blocks that leave the device
+    without an eviction callback (a swapped-in block without prefix caching is never cached, so
+    never evicted). At most ``num_blocks`` blocks are resident at once, so where every counted
+    block is cached the cap never drops a resident block's count.
     """
 
     def __init__(self, tiers: Sequence[Tier], kv_pool, *, write_policy: str = "write_back",
@@ -90,7 +104,10 @@ class CacheManager:
         self.offload_min_hits = offload_min_hits
         self.queue_blocks = queue_blocks
         self.hooks = hooks  # a pluggy HookRelay (corekv_on_blocks_offloaded/loaded) or None
-        self.hit_counts: Counter[BlockHash] = Counter()
+        #: device hits (and reloads) per resident block, for ``offload_min_hits``; in the order
+        #: last counted (see the class docstring for its bound)
+        self.hit_counts: dict[BlockHash, int] = {}
+        self.max_hit_counts = kv_pool.num_blocks
         #: hashes cached by requests that opted out of offload; dropped when evicted
         self.opted_out: set[BlockHash] = set()
         #: per tier: "<name>.reloaded", ".prefetched", ".offloaded", ".offload_skips", ".swapped_*"
@@ -136,7 +153,7 @@ class CacheManager:
             if num_ok:
                 loaded[tier.name] = loaded.get(tier.name, 0) + num_ok
                 self.counters[f"{tier.name}.reloaded"] += num_ok
-                self.hit_counts.update(keys[:num_ok])
+                self._count_hits(keys[:num_ok])
                 if self.hooks is not None:
                     self.hooks.corekv_on_blocks_loaded(tier=tier.name, block_hashes=list(keys[:num_ok]))
                 if run.tier_index > 0 and self.write_policy == "write_through":  # promote now
@@ -195,14 +212,19 @@ class CacheManager:
                 self.prefetcher.release(staged, num_used)
         return loaded
 
+    @property
+    def num_queued_blocks(self) -> int:
+        """Blocks waiting for the background tier writer (0 once :meth:`flush` returns)."""
+        return self._writer.num_queued_blocks if self._writer is not None else 0
+
     def prefetch_stats(self) -> dict[str, float]:
         """Prefetch counters (see :class:`corekv.prefetch.Prefetcher`); empty without prefetch."""
         return self.prefetcher.stats() if self.prefetcher is not None else {}
 
     def note_hits(self, key: PrefixKey, num_blocks: int) -> None:
         """Count device hits of ``key``'s first ``num_blocks`` blocks (for ``offload_min_hits``)."""
-        if self.offload_min_hits and num_blocks:
-            self.hit_counts.update(key.block_hashes[:num_blocks])
+        if num_blocks:
+            self._count_hits(key.block_hashes[:num_blocks])
 
     # -- offload -----------------------------------------------------------------------------
     def on_evict(self, evicted: list[EvictedBlock]) -> None:
@@ -214,6 +236,9 @@ class CacheManager:
             self.opted_out.difference_update(e.block_hash for e in evicted)
         if self.write_policy == "write_back" and kept:
             self._offload([e.block_hash for e in kept], [e.block_id for e in kept])
+        if self.hit_counts:
+            for e in evicted:
+                self.hit_counts.pop(e.block_hash, None)
 
     def on_cached(self, key: PrefixKey, block_ids: Sequence[int], start: int, *, offload: bool = True) -> None:
         """The engine cached ``key``'s blocks ``start ..`` in ``block_ids[start:]`` (write-through).
@@ -310,10 +335,20 @@ class CacheManager:
     # -- helpers -----------------------------------------------------------------------------
     def _offload(self, hashes: list[BlockHash], block_ids: list[int], force: bool = False) -> None:
         if self.offload_min_hits and not force:
-            keep = [i for i, h in enumerate(hashes) if self.hit_counts[h] >= self.offload_min_hits]
+            keep = [i for i, h in enumerate(hashes) if self.hit_counts.get(h, 0) >= self.offload_min_hits]
             hashes, block_ids = [hashes[i] for i in keep], [block_ids[i] for i in keep]
         if hashes:
             self._enqueue(hashes, block_ids, tiers=self.tiers)
+
+    def _count_hits(self, hashes: Sequence[BlockHash]) -> None:
+        """One more hit for each of ``hashes`` (kept only for ``offload_min_hits``, within the bound)."""
+        if not self.offload_min_hits:
+            return
+        counts = self.hit_counts
+        for h in hashes:
+            counts[h] = counts.pop(h, 0) + 1  # re-inserted: the dict stays in last-counted order
+        while len(counts) > self.max_hit_counts:
+            del counts[next(iter(counts))]
 
     def _enqueue(self, hashes: Sequence[BlockHash], block_ids: Sequence[int], tiers: list[Tier]) -> None:
         # NOTE: the snapshot is taken now, on the caller's thread (only if the queue has room):
@@ -380,7 +415,7 @@ class CacheManager:
             loaded[tier.name] = loaded.get(tier.name, 0) + num
             self.counters[f"{tier.name}.reloaded"] += num
             self.counters[f"{tier.name}.prefetched"] += num
-            self.hit_counts.update(keys)
+            self._count_hits(keys)
             if self.hooks is not None:
                 self.hooks.corekv_on_blocks_loaded(tier=tier.name, block_hashes=list(keys))
             if run.tier_index > 0 and self.write_policy == "write_through":  # promote now

@@ -29,8 +29,10 @@ class OffloadWriter:
     """Writes ``(hashes, snapshot, tiers)`` batches to every listed tier that lacks them.
 
     Invariants: the queue holds at most ``queue_blocks`` blocks, or one batch if that batch
-    alone is larger; a batch is written to each tier only for the blocks that tier does not
-    already hold; tier failures are counted by the tiers and never stop the thread.
+    alone is larger; ``num_queued_blocks`` counts the blocks submitted and not yet finished
+    (written, or failed), so it is 0 whenever the queue is drained; a batch is written to each
+    tier only for the blocks that tier does not already hold; tier failures are counted by the
+    tiers, and neither they nor a failing hook stop the thread.
     Counters (in the shared ``counters``): ``<tier>.offloaded`` and ``<tier>.offload_skips``.
     """
 
@@ -60,8 +62,19 @@ class OffloadWriter:
                     self.counters[f"{tier.name}.offload_skips"] += len(hashes)
                 return False
             self._queued_blocks += len(hashes)
-        self._queue.put((list(hashes), snapshot(), list(tiers)))
+        try:
+            item = (list(hashes), snapshot(), list(tiers))
+        except BaseException:
+            self._done(len(hashes))  # never queued: give its room back
+            raise
+        self._queue.put(item)
         return True
+
+    @property
+    def num_queued_blocks(self) -> int:
+        """Blocks submitted and not yet written (or given up on)."""
+        with self._lock:
+            return self._queued_blocks
 
     def join(self) -> None:
         """Wait until every queued batch is written."""
@@ -78,10 +91,11 @@ class OffloadWriter:
     def _run(self) -> None:
         while True:
             item = self._queue.get()
+            if item is _STOP:
+                self._queue.task_done()
+                return
+            hashes, snapshot, tiers = item
             try:
-                if item is _STOP:
-                    return
-                hashes, snapshot, tiers = item
                 payload = snapshot.contiguous().view(torch.uint8).reshape(len(hashes), -1).numpy()
                 for tier in tiers:
                     missing = [i for i, h in enumerate(hashes)
@@ -94,12 +108,17 @@ class OffloadWriter:
                     if stored and self.hooks is not None:
                         self.hooks.corekv_on_blocks_offloaded(tier=tier.name,
                                                               block_hashes=[hashes[i] for i in missing])
-                with self._lock:
-                    self._queued_blocks -= len(hashes)
             except Exception:  # pragma: no cover - a bug, but the writer must outlive it
                 logger.exception("corekv offload writer: unexpected error; blocks skipped")
             finally:
+                # NOTE: in finally, so a batch that failed still gives its room back: a leaked
+                # count would shrink the queue for good and skip every later offload.
+                self._done(len(hashes))
                 self._queue.task_done()
+
+    def _done(self, num_blocks: int) -> None:
+        with self._lock:
+            self._queued_blocks -= num_blocks
 
 
 def safe_tier_call(call, default, tier: Tier, what: str):

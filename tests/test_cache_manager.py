@@ -7,6 +7,7 @@ from corekv.backend import EvictedBlock
 from corekv.cache_manager import CacheManager, TierRun
 from corekv.engine.kv_pool import KVPool
 from corekv.hashing import PrefixKey, chain_seed
+from corekv.plugin import hookimpl, make_plugin_manager
 from corekv.tiers.host import HostTier
 from corekv.tiers.lmdb import LMDBTier
 
@@ -138,6 +139,103 @@ def test_offload_min_hits_keeps_never_reused_blocks_off_the_tiers():
     assert host.exists(key.block_hashes[:1]) == 1
     assert host.exists(key.block_hashes[1:]) == 0
     manager.close()
+
+
+def test_hit_counts_are_not_kept_without_offload_min_hits():
+    pool = make_pool()
+    host = HostTier(size=8 * 4096, **tier_kwargs(pool))
+    manager = CacheManager([host], pool)  # offload_min_hits=0: every block is offloaded
+    key = make_key(3)
+    manager.on_evict([EvictedBlock(h, b) for h, b in zip(key.block_hashes, [0, 1, 2])])
+    manager.flush()
+    manager.note_hits(key, 3)
+    assert manager.load(key, 0, manager.lookup(key, 0, 3), [5, 6, 7]) == {"host": 3}
+    prefetch = manager.prefetch(key, 0, 3)
+    assert manager.load_prefix(key, 0, 3, [4, 5, 6], prefetch) == {"host": 3}
+    assert manager.hit_counts == {}, "device hits and reloads are not counted when nothing needs them"
+    manager.close()
+
+
+def test_a_blocks_hit_count_is_dropped_when_it_is_evicted_after_the_offload_decision():
+    pool = make_pool()
+    host = HostTier(size=8 * 4096, **tier_kwargs(pool))
+    manager = CacheManager([host], pool, offload_min_hits=2)
+    key = make_key(2)
+    manager.note_hits(key, 2)
+    manager.note_hits(key, 1)
+    assert manager.hit_counts == {key.block_hashes[1]: 1, key.block_hashes[0]: 2}
+    manager.on_evict([EvictedBlock(h, b) for h, b in zip(key.block_hashes, [0, 1])])
+    manager.flush()
+    assert host.exists(key.block_hashes[:1]) == 1 and host.exists(key.block_hashes[1:]) == 0
+    assert manager.hit_counts == {}, "an evicted block's count leaves with it"
+    # cached again: the count starts over, one hit is not enough this time
+    manager.note_hits(key, 2)
+    manager.on_evict([EvictedBlock(key.block_hashes[1], 1)])
+    manager.flush()
+    assert host.exists(key.block_hashes[1:]) == 0
+    manager.close()
+
+
+def test_hit_counts_never_hold_more_blocks_than_the_pool():
+    """Counts of blocks that left the device without an eviction (never cached, e.g. swapped in
+    without prefix caching) are dropped least recently counted first."""
+    pool = make_pool(8)
+    host = HostTier(size=8 * 4096, **tier_kwargs(pool))
+    manager = CacheManager([host], pool, offload_min_hits=1)
+    key, other = make_key(8), make_key(3, salt="other")
+    manager.note_hits(key, 8)
+    manager.note_hits(key, 1)  # block 0 is now the most recently counted
+    manager.note_hits(other, 3)
+    assert len(manager.hit_counts) == pool.num_blocks
+    assert set(manager.hit_counts) == {key.block_hashes[0], *key.block_hashes[4:], *other.block_hashes}
+    assert manager.hit_counts[key.block_hashes[0]] == 2
+    manager.close()
+
+
+class FailingOffloadHook:
+    """A plugin whose ``corekv_on_blocks_offloaded`` raises (a plugin's bug)."""
+
+    @hookimpl
+    def corekv_on_blocks_offloaded(self, tier, block_hashes):
+        raise RuntimeError("a plugin's bug")
+
+
+def test_a_batch_that_fails_after_its_write_gives_its_queue_room_back():
+    pool = make_pool()
+    host = HostTier(size=8 * 4096, **tier_kwargs(pool))
+    hooks = make_plugin_manager([FailingOffloadHook()], autoload=False).hook
+    manager = CacheManager([host], pool, queue_blocks=2, hooks=hooks)
+    key = make_key(4)
+    evicted = [EvictedBlock(h, b) for h, b in zip(key.block_hashes, [0, 1, 2, 3])]
+    manager.on_evict(evicted[:2])  # written, then the hook raises on the writer thread
+    manager.flush()
+    assert manager.num_queued_blocks == 0
+    manager.on_evict(evicted[2:])  # the queue has its full room again
+    manager.flush()
+    assert manager.stats()["host"]["offload_skips"] == 0
+    assert host.exists(key.block_hashes) == 4
+    manager.close()
+
+
+def test_a_snapshot_that_fails_gives_its_queue_room_back():
+    import pytest
+
+    from collections import Counter
+
+    from corekv.offload_writer import OffloadWriter
+
+    writer = OffloadWriter(Counter(), queue_blocks=2)
+
+    def failing_snapshot():
+        raise RuntimeError("the pool is gone")
+
+    with pytest.raises(RuntimeError, match="pool is gone"):
+        writer.submit([b"k" * 16, b"j" * 16], failing_snapshot, [])
+    assert writer.num_queued_blocks == 0
+    assert writer.submit([b"k" * 16, b"j" * 16], lambda: torch.zeros((2, 8), dtype=torch.uint8), [])
+    writer.join()
+    assert writer.num_queued_blocks == 0
+    writer.close()
 
 
 class GatedHostTier(HostTier):
