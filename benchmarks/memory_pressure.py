@@ -121,7 +121,7 @@ def run_once(model, name: str, turns, num_blocks: int, working_set_bytes: int, a
                       f"(load {os.getloadavg()[0]:.2f})", file=sys.stderr, flush=True)
             seconds = time.perf_counter() - t0
             stats = engine.stats()
-            prefetch = engine.cache_manager.prefetch_stats() if engine.cache_manager is not None else {}
+            prefetch = engine.offload.prefetch_stats() if engine.offload is not None else {}
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
     return {"config": name, "seconds": seconds, "prompt_tokens": stats["prompt_tokens"],

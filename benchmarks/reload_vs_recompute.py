@@ -20,13 +20,13 @@ Each of ``--runs`` runs uses a fresh ``cache_salt``, so its prefix is cached now
   the pool through the backend's own ``allocate(num_free_blocks)`` and hands them back with
   ``free``: the backend evicts the cached prefix exactly as a filler request would (write-back
   offload to every tier lacking it) without spending a filler's prefill; then
-  ``cache_manager.flush()`` waits for the background writer.
+  ``offload.flush()`` waits for the background writer.
 * (d') lmdb cold: after the runs the engine is closed (LMDB unmapped), ``posix_fadvise(DONTNEED)``
   drops the data file's pages from the page cache (``fincore`` prints the resident bytes before
   and after), and a fresh engine with the LMDB tier alone reloads every run's prefix from disk.
 
 The reload bandwidth is the bytes loaded / the time from the request's arrival (its prefetch
-start) to the end of ``CacheManager.load_prefix`` at admission (timed by wrapping the real method);
+start) to the end of the reloader's ``load_prefix`` at admission (timed by wrapping the real method);
 memcpy is the faster of ``numpy.copyto`` and ``torch.Tensor.copy_`` of the same number of bytes
 between two preallocated uint8 buffers (the stricter reference), measured right after each reload,
 and next to it the same bytes copied block by block (``numpy.copyto`` per 0.7 MiB row: the copy a
@@ -71,24 +71,24 @@ def corpus_ids(model, n: int, seed_text: str) -> list[int]:
 
 
 class LoadTimer:
-    """Wraps ``engine.cache_manager.load_prefix`` (admission's load; the real method still runs)
-    and records (seconds, bytes) per call. The time runs from the request's arrival, when its
+    """Wraps the offload reloader's ``load_prefix`` (admission's load; the real method still
+    runs) and records (seconds, bytes) per call. The time runs from the request's arrival, when its
     prefetch started (or from the call, without one), to the end of the call: the whole reload,
     I/O overlapped with other work included, so the bandwidth is never flattered by the
     prefetch having run ahead."""
 
     def __init__(self, engine: Engine):
         self.records: list[tuple[float, int]] = []
-        manager, block_bytes = engine.cache_manager, engine.kv_pool.bytes_per_block
-        load_prefix = manager.load_prefix
+        reloader, block_bytes = engine.offload.reloader, engine.kv_pool.bytes_per_block
+        load_prefix = reloader.load_prefix
 
-        def timed(key, start, stop, block_ids, prefetch=None):
+        def timed(key, start, stop, block_ids, prefetcher=None, prefetch=None):
             t0 = time.perf_counter() if prefetch is None else min(prefetch.started_at, time.perf_counter())
-            loaded = load_prefix(key, start, stop, block_ids, prefetch)
+            loaded = load_prefix(key, start, stop, block_ids, prefetcher, prefetch)
             self.records.append((time.perf_counter() - t0, sum(loaded.values()) * block_bytes))
             return loaded
 
-        manager.load_prefix = timed
+        reloader.load_prefix = timed
 
 
 _EVICTION: list[np.ndarray] = []
@@ -147,14 +147,14 @@ def evict_all(engine: Engine) -> None:
     blocks = backend.allocate(backend.num_free_blocks)
     assert blocks is not None, "the pool has blocks in use; evict_all needs an idle engine"
     backend.free(blocks)
-    engine.cache_manager.flush()
+    engine.offload.flush()
 
 
 def make_config(tiers: tuple[TierConfig, ...], num_blocks: int, budget: int) -> Config:
     return Config(model="smollm2-135m-instruct", dtype="float32", device="cpu",
                   engine=EngineConfig(num_blocks=num_blocks, block_size=BLOCK, max_num_batched_tokens=budget),
                   # NOTE: an eviction batch larger than offload_queue_blocks (default 256) is
-                  # skipped whole by CacheManager._enqueue; a 4K prefix is 257 blocks.
+                  # skipped whole by Offload._enqueue; a 4K prefix is 257 blocks.
                   cache=CacheConfig(backend="radix", tiers=tiers, offload_queue_blocks=1024))
 
 
@@ -201,7 +201,7 @@ def bench_size(model, size: int, runs: int, budget: int, redis: RedisServer, res
         with Engine(make_config(tiers, num_blocks, budget), model=model) as engine:
             assert engine.kv_pool.bytes_per_block == block_bytes, engine.kv_pool.bytes_per_block
             timer = LoadTimer(engine)
-            manager = engine.cache_manager
+            manager = engine.offload
             for salt in salts:
                 # (a) a salt never seen: nothing cached on the device or in any tier
                 first = engine.generate(prompt, ONE_TOKEN, cache_salt=salt)[0]

@@ -41,6 +41,8 @@ Payload = memoryview  # a read-only view of a block's validated bytes; bytes(p) 
 STAT_NAMES = ("hits", "misses", "bytes_read", "bytes_written", "puts", "skips", "evictions",
               "faults", "errors")
 logger = logging.getLogger(__name__)
+#: keys per membership call of :meth:`Tier.exists`
+_EXISTS_CHUNK = 16
 
 _verifier: ThreadPoolExecutor | None = None
 _verifier_lock = threading.Lock()
@@ -51,7 +53,7 @@ def _verify_thread() -> ThreadPoolExecutor:
 
     NOTE: a reload reads each entry twice, once to checksum it and once to copy it, and xxhash
     and numpy's copy both release the GIL: checking entry i+1 on this thread while the caller
-    copies entry i made the host tier's reload ~1.2x faster here (benchmarks/reload_vs_recompute.py).
+    copies entry i overlaps the two passes (BENCHMARKS.md, "Tiers in the engine").
     """
     global _verifier
     with _verifier_lock:
@@ -128,12 +130,19 @@ class Tier(ABC):
         return [bool(is_present) for is_present in present]
 
     def exists(self, keys: Sequence[BlockHash]) -> int:
-        """Length of the leading run of ``keys`` present (:meth:`contains_many`'s answers)."""
+        """Length of the leading run of ``keys`` present (:meth:`contains_many`'s answers).
+
+        NOTE: asked in chunks that stop at the first miss: a prefix lookup wants the leading run
+        only, and a store that answers membership per key (an object store) should not be asked
+        about a long chain's every block after it already missed.
+        """
+        keys = self._check_keys(keys, "keys")
         run = 0
-        for is_present in self.contains_many(keys):
-            if not is_present:
-                break
-            run += 1
+        for start in range(0, len(keys), _EXISTS_CHUNK):
+            for is_present in self.contains_many(keys[start:start + _EXISTS_CHUNK]):
+                if not is_present:
+                    return run
+                run += 1
         return run
 
     def get(self, keys: Sequence[BlockHash]) -> list[Payload | None]:
@@ -186,7 +195,7 @@ class Tier(ABC):
                     try:
                         payload = checks[n].result() if checks else self.codec.decode(keys[index], entry)
                         # NOTE: numpy's copy runs at memcpy speed; a memoryview slice assignment
-                        # of the same bytes runs at about half of it on this CPU (BENCHMARKS.md).
+                        # of the same bytes runs well below it (BENCHMARKS.md, "Tier bandwidth").
                         np.copyto(views[index], np.frombuffer(payload, dtype=np.uint8))
                         hits[index] = True
                     except EntryError as e:

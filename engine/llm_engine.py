@@ -2,45 +2,49 @@
 
 ``step()`` is the whole loop: the scheduler picks this step's tokens, the model runner runs them in
 one forward, the sampler picks next tokens, the scheduler appends them and retires finished
-sequences. Around it: building the parts from a config, ``add_request`` / ``abort``, plugin hooks
-and ``stats``; ``generate`` / ``stream`` / ``text_stream`` / ``warm`` / ``unpin`` are built on these
-in :mod:`corekv.engine.engine_api`.
+sequences. Around it: building the parts from a config, ``add_request`` / ``abort``, the calls most
+users make (``generate`` / ``stream`` / ``text_stream`` / ``warm`` / ``unpin``, built on the same
+loop), plugin hooks and ``stats``. Below the device pool the engine knows only the offload facade
+(:mod:`corekv.offload`), through its ``BlockManager``.
+
+NOTE: this module is longer than the others on purpose: :class:`Engine` is the public class, and
+its whole surface reads in one place; the parts it ties together each live in their own module.
 """
 from __future__ import annotations
 
-import difflib
 import itertools
 import logging
 import os
-from collections.abc import Mapping
+import sys
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 from corekv.config import Config
 from corekv.errors import ConfigError, CoreKVError, describe_exception
 from corekv.engine.cpu.native import NativeBuildError
 from corekv.hashing import PrefixKey, chain_seed
+from corekv.offload import make_offload
 from corekv.plugin import make_plugin_manager
 from corekv.engine.block_manager import BlockManager
 from corekv.engine.cpu.malloc import tune_glibc_malloc
-from corekv.engine.engine_api import EngineAPI
 from corekv.engine.detokenizer import IncrementalDetokenizer
 from corekv.engine.kv_pool import KVPool
 from corekv.engine.model_runner import ModelRunner, ScheduledChunk
 from corekv.engine.models import LoadedModel, load_model
 from corekv.engine.outputs import RequestOutput
+from corekv.engine.streaming import TextStream
 from corekv.engine.sampling import Sampler, SamplingParams, make_generator
 from corekv.engine.scheduler import ScheduledSeq, Scheduler
 from corekv.engine.sequence import Sequence
-from corekv.engine.tiering import make_cache_manager
-from corekv.engine.requests import (Request, RequestRejectedError, check_prompt_chars, check_request_fits,
-                                    make_output, max_prompt_chars)
+from corekv.engine.requests import (Request, RequestRejectedError, as_prompt_list, check_prompt_chars,
+                                    check_request_fits, make_output, max_prompt_chars, per_prompt)
 
 __all__ = ["Engine", "RequestRejectedError"]
 
 logger = logging.getLogger(__name__)
 
 
-class Engine(EngineAPI):
+class Engine:
     """A paged-KV, continuously batching engine over one Hugging Face model.
 
     Invariants: the KV pool, the backend and the block tables agree (a block is in at most one
@@ -57,10 +61,6 @@ class Engine(EngineAPI):
                             "from corekv.engine.models.load_model, or None to load config.model")
         self.config = config
         ecfg = config.engine
-        if ecfg.preemption == "swap" and not any(t.type == "host" for t in config.cache.tiers):
-            raise ConfigError("engine.preemption: 'swap' parks preempted sequences' KV in a host tier, but "
-                              f"cache.tiers has none (types: {[t.type for t in config.cache.tiers]}); add "
-                              "`- {type: host, size: 1GiB}` to cache.tiers or use preemption: recompute")
         self.plugin_manager = make_plugin_manager([*config.plugins, *plugins])
         self.model = model or load_model(config.model, dtype=config.dtype, device=config.device,
                                          plugin_manager=self.plugin_manager)
@@ -74,8 +74,10 @@ class Engine(EngineAPI):
         self.kv_pool = KVPool(m.num_layers, num_blocks, ecfg.block_size, m.num_kv_heads, m.head_dim,
                               m.dtype, m.device)
         self.backend = self._make_backend(num_blocks)
-        self.cache_manager, self.failed_tiers = make_cache_manager(
-            config.cache, self.plugin_manager, self.model, self.kv_pool, self.backend)
+        self.offload, self.tiers_not_started = make_offload(
+            config.cache, self.plugin_manager, fingerprint=m.fingerprint,
+            dtype=str(m.dtype).removeprefix("torch."), kv_pool=self.kv_pool, backend=self.backend,
+            swap=ecfg.preemption == "swap")
         try:
             self.runner = ModelRunner(m, self.kv_pool, compile=ecfg.compile)
         except NativeBuildError as exc:
@@ -90,19 +92,8 @@ class Engine(EngineAPI):
                 ) from exc
         self.sampler = Sampler()
         self.enable_chunked_prefill = ecfg.enable_chunked_prefill
-        swap_tier = None
-        if ecfg.preemption == "swap":
-            host_names = {t.name for t in config.cache.tiers if t.type == "host"}
-            swap_tier = next((i for i, t in enumerate(self.cache_manager.tiers if self.cache_manager else ())
-                              if t.name in host_names), None)
-            if swap_tier is None:
-                if self.cache_manager is not None:
-                    self.cache_manager.close()
-                raise ConfigError(f"engine.preemption: 'swap' needs a host tier, and none started "
-                                  f"({self.failed_tiers}); fix the tier or use preemption: recompute")
         self.blocks = BlockManager(self.backend, self.kv_pool,
-                                   enable_prefix_caching=ecfg.enable_prefix_caching,
-                                   cache_manager=self.cache_manager, swap_tier=swap_tier)
+                                   enable_prefix_caching=ecfg.enable_prefix_caching, offload=self.offload)
         self.scheduler = Scheduler(self.blocks, max_num_seqs=ecfg.max_num_seqs,
                                    max_num_batched_tokens=ecfg.max_num_batched_tokens,
                                    scheduling=ecfg.scheduling, enable_chunked_prefill=self.enable_chunked_prefill,
@@ -155,20 +146,12 @@ class Engine(EngineAPI):
         for request_id in list(self._requests):
             self.abort(request_id)
         self._is_closed = True
-        manager = self.cache_manager
         try:
-            if manager is not None:
+            if self.offload is not None:
                 try:
-                    persistent = [t for t in manager.tiers if t.is_persistent]
-                    if persistent:
-                        cached = [(h, b) for b in range(self.backend.num_blocks)
-                                  if (h := self.backend.block_hash(b)) is not None]
-                        manager.flush(cached, tiers=persistent)
-                    else:
-                        manager.flush()
+                    self.offload.close()
                 finally:
                     self.backend.on_evict = None
-                    manager.close()
         finally:
             # NOTE: plugins release their sockets and servers even when the tiers failed to close
             self.plugin_manager.hook.corekv_on_engine_closed(engine=self)
@@ -224,6 +207,109 @@ class Engine(EngineAPI):
         for seq in request.seqs:
             self.scheduler.abort(seq)
 
+    # -- the calls most users make ----------------------------------------------------------
+    def generate(self, prompts: Any, sampling_params: SamplingParams | list | None = None,
+                 cache_salt: str | list | None = None, *, use_tqdm: bool | None = None,
+                 offload: bool | list = True) -> list[RequestOutput]:
+        """Run prompts to completion, batched; returns one :class:`RequestOutput` per prompt, in order.
+
+        :param prompts: a str, token ids (``list[int]``), chat messages (``[{"role", "content"}]``,
+            rendered with the chat template and the assistant prompt), or a list of those.
+        :param sampling_params: one :class:`SamplingParams` for all prompts, or one per prompt;
+            ``None`` is ``SamplingParams()``. With ``n > 1`` a prompt's completions are in
+            ``output.outputs`` (``output.text`` is completion 0's).
+        :param cache_salt: the tenant's salt (prefixes are shared only within one salt), one for
+            all prompts or one per prompt.
+        :param use_tqdm: show a progress bar; default: only when stderr is a terminal.
+        :param offload: False keeps the prompts' blocks off the storage tiers (per-request
+            opt-out; they still reload what the tiers hold); one bool for all or one per prompt.
+        """
+        prompt_list = as_prompt_list(prompts)
+        params_list = per_prompt("sampling_params", sampling_params, len(prompt_list), SamplingParams)
+        salts = per_prompt("cache_salt", cache_salt, len(prompt_list), str)
+        offloads = per_prompt("offload", offload, len(prompt_list), bool)
+        # NOTE: every prompt is checked before any is queued, so a bad one leaves the engine idle.
+        requests = [self._make_request(p, sp, salt, None, offload=o)
+                    for p, sp, salt, o in zip(prompt_list, params_list, salts, offloads)]
+        for request, salt in zip(requests, salts):
+            self._enqueue(request, salt)
+        outputs: dict[str, RequestOutput] = {}
+        wanted = {r.request_id for r in requests}
+        bar = _progress_bar(len(requests), use_tqdm)
+        try:
+            while len(outputs) < len(requests):
+                for output in self._step():
+                    if output.request_id in wanted:
+                        outputs[output.request_id] = output
+                        bar.update(1)
+                    else:
+                        self._unclaimed.append(output)
+        finally:
+            bar.close()
+            for request in requests:
+                if request.request_id not in outputs and request.request_id in self._requests:
+                    self.abort(request.request_id)
+        return [outputs[r.request_id] for r in requests]
+
+    def stream(self, prompt: Any, sampling_params: SamplingParams | None = None,
+               cache_salt: str | None = None) -> Iterator[str]:
+        """Generate for one prompt, yielding text deltas as they are produced (``n`` must be 1).
+
+        With stop strings, up to ``len(longest stop) - 1`` characters are held back until they
+        cannot start a stop string, so no text past a stop is ever yielded.
+        """
+        request = self._make_request(prompt, sampling_params, cache_salt, None)
+        if request.params.n != 1:
+            raise ValueError(f"stream() yields one completion; got SamplingParams.n={request.params.n}; "
+                             "use generate() for n > 1")
+        self._enqueue(request, cache_salt)
+        text = TextStream(request)
+        try:
+            while not text.is_finished:
+                self._unclaimed.extend(o for o in self._step() if o.request_id != request.request_id)
+                for _index, delta in text.deltas():
+                    yield delta
+        finally:
+            if not text.is_finished:
+                self.abort(request.request_id)
+
+    def text_stream(self, request_id: str) -> TextStream:
+        """A :class:`TextStream` of an in-flight request (from ``add_request``): call its
+        ``deltas()`` after each ``step()`` to stream the request's text, stop strings held back."""
+        request = self._requests.get(request_id)
+        if request is None:
+            raise KeyError(f"text_stream: no request {request_id!r} is in flight; pass the id "
+                           "add_request returned, before step() returns its output")
+        return TextStream(request)
+
+    def warm(self, prompt: Any, pin: bool = True, cache_salt: str | None = None) -> int:
+        """Compute ``prompt``'s KV and keep its full blocks cached (and pinned when ``pin``).
+
+        Chat messages are rendered without the assistant prompt, as the prefix of a later
+        conversation. Returns the number of prompt tokens now cached (pinned, when ``pin``).
+        :raises PinLimitError: if pinning would exceed ``cache.max_pinned_fraction`` of the pool.
+        """
+        if not self.config.engine.enable_prefix_caching:
+            raise CoreKVError("warm() needs engine.enable_prefix_caching: true (nothing is kept otherwise)")
+        if not isinstance(pin, bool):
+            raise TypeError(f"warm(pin=...) must be True or False, got {pin!r}")
+        token_ids = self.encode(prompt, add_generation_prompt=False)
+        request = self._make_request(prompt, SamplingParams(max_tokens=1, temperature=0.0), cache_salt,
+                                     None, prompt_token_ids=token_ids)
+        request.is_internal = True
+        self._enqueue(request, cache_salt)
+        while not request.seqs[0].is_finished:
+            self._unclaimed.extend(self._step())
+        key = self.prefix_key(token_ids, cache_salt)
+        num_blocks = self.backend.pin(key) if pin else len(self.backend.match(key))
+        self._after_step([])  # publish the pin's events, if any
+        return num_blocks * self.block_size
+
+    def unpin(self, prompt: Any, cache_salt: str | None = None) -> int:
+        """Undo one ``warm(prompt, pin=True, cache_salt)``; returns the number of tokens unpinned."""
+        token_ids = self.encode(prompt, add_generation_prompt=False)
+        return self.backend.unpin(self.prefix_key(token_ids, cache_salt)) * self.block_size
+
     def stats(self) -> dict[str, Any]:
         """Counters since the engine started (see the keys; ``tiers`` is per storage tier)."""
         sched, backend = self.scheduler, self.backend
@@ -250,23 +336,16 @@ class Engine(EngineAPI):
             "num_swapped_out_blocks": self.blocks.num_swapped_out_blocks,
             "num_swapped_in_blocks": self.blocks.num_swapped_in_blocks,
             "backend": backend.stats(),
-            "tiers": self.cache_manager.stats() if self.cache_manager is not None else {},
-            "tiers_not_started": dict(self.failed_tiers),
-            "prefetch": self.cache_manager.prefetch_stats() if self.cache_manager is not None else {},
+            "tiers": self.offload.stats() if self.offload is not None else {},
+            "tiers_not_started": dict(self.tiers_not_started),
+            "prefetch": self.offload.prefetch_stats() if self.offload is not None else {},
         }
 
     # -- helpers -----------------------------------------------------------------------------
     def _make_backend(self, num_blocks: int):
-        cache = self.config.cache
-        specs = self.plugin_manager.backends()
-        spec = specs.get(cache.backend)
-        if spec is None:
-            close = difflib.get_close_matches(cache.backend, list(specs), n=1)
-            hint = f"did you mean {close[0]!r}?" if close else "install the plugin that provides it"
-            raise ConfigError(f"cache.backend: no backend named {cache.backend!r} is registered "
-                              f"(known: {sorted(specs)}); {hint}")
-        return spec.factory(num_blocks, self.block_size, max_pinned_fraction=cache.max_pinned_fraction,
-                            **cache.backend_options)
+        cache = self.config.cache  # NOTE: the config reader checked the name and the options
+        return self.plugin_manager.backends()[cache.backend].factory(
+            num_blocks, self.block_size, max_pinned_fraction=cache.max_pinned_fraction, **cache.backend_options)
 
     def prefix_key(self, token_ids: list[int], cache_salt: str | None = None) -> PrefixKey:
         """The :class:`PrefixKey` under which this engine caches ``token_ids`` for ``cache_salt``."""
@@ -284,16 +363,7 @@ class Engine(EngineAPI):
             before it is tokenized.
         """
         check_prompt_chars(prompt, self.max_prompt_chars)
-        if not add_generation_prompt and isinstance(prompt, (list, tuple)) and prompt and all(
-                isinstance(m, Mapping) for m in prompt):
-            if getattr(self.model.tokenizer, "chat_template", None) is None:
-                raise CoreKVError("this model's tokenizer has no chat template, so chat messages cannot "
-                                  "be rendered; pass the prefix as a string or token ids")
-            ids = self.model.tokenizer.apply_chat_template(list(prompt), add_generation_prompt=False,
-                                                           tokenize=True)
-            ids = ids["input_ids"] if hasattr(ids, "keys") else ids
-            return [int(t) for t in ids]
-        return self.model.encode_prompt(prompt)
+        return self.model.encode_prompt(prompt, add_generation_prompt=add_generation_prompt)
 
     def _make_request(self, prompt: Any, params: SamplingParams | None, cache_salt: str | None,
                       request_id: str | None, *, prompt_token_ids: list[int] | None = None,
@@ -381,3 +451,21 @@ class Engine(EngineAPI):
                 hook.corekv_on_request_finished(output=output)
                 outputs.append(output)
         return outputs
+
+
+class _NoBar:
+    def update(self, n: int) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def _progress_bar(total: int, use_tqdm: bool | None):
+    if use_tqdm is None:
+        use_tqdm = sys.stderr.isatty()
+    if not use_tqdm:
+        return _NoBar()
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc="generate", unit="req", file=sys.stderr)

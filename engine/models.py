@@ -78,15 +78,18 @@ class LoadedModel:
     device: torch.device
     eos_token_ids: frozenset[int] = field(default_factory=frozenset)
 
-    def encode_prompt(self, prompt: str | list[int] | list[dict]) -> list[int]:
+    def encode_prompt(self, prompt: str | list[int] | list[dict], *,
+                      add_generation_prompt: bool = True) -> list[int]:
         """Token ids of a prompt: see :func:`encode_prompt` (token ids checked against the vocabulary)."""
-        return encode_prompt(self.tokenizer, prompt, vocab_size=self.vocab_size)
+        return encode_prompt(self.tokenizer, prompt, vocab_size=self.vocab_size,
+                             add_generation_prompt=add_generation_prompt)
 
 
 def encode_prompt(tokenizer: Any, prompt: str | list[int] | list[dict], *,
-                  vocab_size: int | None = None) -> list[int]:
+                  vocab_size: int | None = None, add_generation_prompt: bool = True) -> list[int]:
     """Token ids of a prompt: a string, token ids as is, or chat messages (``[{"role", "content"}]``,
-    rendered with the tokenizer's chat template and the assistant generation prompt).
+    rendered with the tokenizer's chat template and, unless ``add_generation_prompt`` is false
+    (a prefix such as a system prompt to warm), the assistant generation prompt).
 
     The engine (through :meth:`LoadedModel.encode_prompt`) and ``corekv route`` (which loads only
     the tokenizer, :func:`load_tokenizer`) both call this, so a router's token ids are the engine's.
@@ -103,7 +106,8 @@ def encode_prompt(tokenizer: Any, prompt: str | list[int] | list[dict], *,
             raise CoreKVError(f"chat messages need 'role' and 'content' keys, got {list(prompt)!r}")
         if getattr(tokenizer, "chat_template", None) is None:
             raise CoreKVError("this model's tokenizer has no chat template; pass a string prompt instead")
-        ids = tokenizer.apply_chat_template(list(prompt), add_generation_prompt=True, tokenize=True)
+        ids = tokenizer.apply_chat_template(list(prompt), add_generation_prompt=add_generation_prompt,
+                                            tokenize=True)
         ids = ids["input_ids"] if hasattr(ids, "keys") else ids
         return [int(t) for t in ids]
     if isinstance(prompt, (list, tuple)) and prompt and all(

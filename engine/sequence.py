@@ -9,26 +9,15 @@ from __future__ import annotations
 import enum
 import time
 from collections.abc import Sequence as SequenceABC
-from dataclasses import dataclass
 
 import torch
 
 from corekv.hashing import PrefixKey
+from corekv.offload.swap import Parked
 from corekv.engine.detokenizer import IncrementalDetokenizer, find_stop
 from corekv.engine.sampling import SamplingParams
 
-__all__ = ["Sequence", "SequenceStatus", "SwapState"]
-
-
-@dataclass(frozen=True)
-class SwapState:
-    """Where swap preemption left a sequence's KV: its first ``num_full_blocks`` blocks under
-    their chain hashes and, when ``private_key`` is set, the partial block after them (holding
-    tokens up to ``num_computed_tokens``) under that key, all in the swap tier."""
-
-    num_full_blocks: int
-    num_computed_tokens: int
-    private_key: bytes | None
+__all__ = ["Sequence", "SequenceStatus"]
 
 
 class SequenceStatus(enum.Enum):
@@ -73,8 +62,8 @@ class Sequence:
         self.cached_tokens_by_tier: dict[str, int] = {}
         #: False: this request's blocks are never written to a storage tier (per-request opt-out)
         self.offload = True
-        #: set while swap-preempted (see :class:`SwapState`); cleared at re-admission
-        self.swap: SwapState | None = None
+        #: set while swap-preempted (what the swap tier holds of it); cleared at re-admission
+        self.swap: Parked | None = None
         self.num_preemptions = 0
         #: completions still to fork off this one once its prompt is computed (``n - 1``, then 0)
         self.num_pending_forks = params.n - 1

@@ -17,7 +17,7 @@ import corekv
 from corekv.block_format import HEADER_SIZE, fingerprint_digest
 from corekv.cli import main
 from corekv.config import load_config
-from corekv.engine.tiering import fingerprint_bytes
+from corekv.offload.build import fingerprint_bytes
 
 SCRIPT = Path(sys.executable).with_name("corekv")
 PROMPTS = ["The quick brown fox jumps over the lazy dog, again and again and again.",

@@ -102,7 +102,7 @@ def _model_fp12(cfg) -> str:
     """The config's model id as stores key it (loads the weights: the fingerprint hashes them)."""
     from corekv.block_format import fingerprint_digest
     from corekv.engine.models import load_model
-    from corekv.engine.tiering import fingerprint_bytes
+    from corekv.offload.build import fingerprint_bytes
     from corekv.plugin import make_plugin_manager
 
     model = load_model(cfg.model, dtype=cfg.dtype, device="cpu",

@@ -234,11 +234,12 @@ def test_from_config_mapping_and_pool_sizing(tiny_llama):
 
 
 def test_config_errors_name_the_field(tiny_llama):
+    """The config reader checks every field once; an engine built from a mapping goes through it."""
     with pytest.raises(ConfigError, match=r"cache.backend.*'radx'.*did you mean 'radix'"):
-        Engine(Config(model="tiny", engine=EngineConfig(num_blocks=8), cache=CacheConfig(backend="radx")),
-               model=tiny_llama)
+        Engine.from_config({"model": "tiny", "engine": {"num_blocks": 8}, "cache": {"backend": "radx"}},
+                           model=tiny_llama)
     with pytest.raises(ConfigError, match="engine.preemption"):
-        Engine(Config(model="tiny", engine=EngineConfig(num_blocks=8, preemption="swap")), model=tiny_llama)
+        Engine.from_config({"model": "tiny", "engine": {"num_blocks": 8, "preemption": "swap"}}, model=tiny_llama)
 
 
 def test_the_progress_bar_counts_finished_requests(tiny_llama, capsys):

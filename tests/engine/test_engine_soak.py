@@ -109,7 +109,7 @@ def anonymous_rss() -> int:
 def traced_own_bytes(engine: Engine) -> int:
     """Python memory held by corekv's code now, with the offload queue drained (a snapshot in
     flight there is not growth)."""
-    engine.cache_manager.flush()
+    engine.offload.flush()
     gc.collect()
     snapshot = tracemalloc.take_snapshot().filter_traces([*OWN_CODE, FORWARD])
     return sum(stat.size for stat in snapshot.statistics("filename"))
@@ -123,7 +123,7 @@ def test_memory_stays_flat_and_everything_returns_to_idle(tiny_llama, tmp_path, 
     config = type(config)(**{**config.__dict__, "cache": type(config.cache)(
         **{**config.cache.__dict__, "offload_min_hits": offload_min_hits})})
     with Engine(config, model=tiny_llama) as engine:
-        manager, backend = engine.cache_manager, engine.backend
+        manager, backend = engine.offload, engine.backend
         engine.warm(SYSTEM)
         serve(engine, 0, NUM_WARMUP_BATCHES)
         gc.collect()
@@ -160,7 +160,7 @@ def test_memory_stays_flat_and_everything_returns_to_idle(tiny_llama, tmp_path, 
         assert backend.num_pinned_blocks > 0
         assert backend.num_free_blocks == backend.num_blocks - backend.num_pinned_blocks
         assert manager.num_queued_blocks == 0
-        assert not engine.blocks.prefetches and prefetch["num_staged_blocks"] == 0
+        assert not engine.offload.prefetches and prefetch["num_staged_blocks"] == 0
         assert prefetch["staged_blocks"] == prefetch["used_blocks"] + prefetch["dropped_blocks"]
         # hit_counts: none kept without offload_min_hits; otherwise only resident blocks
         if offload_min_hits == 0:

@@ -77,7 +77,7 @@ def test_a_request_aborted_while_swapped_out_leaves_no_private_block(tiny_llama,
             outputs.update((o.request_id, o) for o in engine.step())
             swapped = next((s for s in engine.scheduler.waiting if s.swap and s.swap.private_key), None)
         assert swapped is not None, "no sequence was swapped out with a partial block; adjust the prompts"
-        host = engine.cache_manager.tiers[0]
+        host = engine.offload.tiers[0]
         assert host.exists([swapped.swap.private_key]) == 1
         key = swapped.swap.private_key
         engine.abort(swapped.request_id)

@@ -18,7 +18,7 @@ def reference(model, prompts):
 
 def db_keys(engine, prompt):
     """The LMDB keys of ``prompt``'s full blocks (model digest prefix + block hash)."""
-    tier = engine.cache_manager.tiers[0]
+    tier = engine.offload.tiers[0]
     return [tier.codec.model_digest[:6] + h for h in engine.prefix_key(engine.encode(prompt)).block_hashes]
 
 
@@ -57,7 +57,7 @@ def test_a_foreign_fingerprint_in_lmdb_is_a_counted_miss(tiny_llama, tmp_path):
         foreign_keys = db_keys(engine, PROMPT)
     other = make_tiny_llama(seed=1)
     with make_engine(other, [tier]) as engine:
-        lmdb_tier = engine.cache_manager.tiers[0]
+        lmdb_tier = engine.offload.tiers[0]
         with lmdb_tier.env.begin(write=True) as txn:
             for foreign, own in zip(foreign_keys, db_keys(engine, PROMPT)):
                 txn.put(own, txn.get(foreign, db=lmdb_tier._blocks), db=lmdb_tier._blocks)
@@ -72,7 +72,7 @@ def test_a_full_lmdb_map_evicts_or_skips_without_crashing(tiny_llama, tmp_path):
     tier = tier_config("lmdb", tmp_path, size=160 * 1024)  # about 15 blocks of 8 KiB
     with make_engine(tiny_llama, [tier]) as engine:
         outputs = [engine.generate(p, GREEDY)[0] for p in prompts + prompts]
-        engine.cache_manager.flush()
+        engine.offload.flush()
         stats = engine.stats()["tiers"]["lmdb"]
     assert [o.token_ids for o in outputs] == reference(tiny_llama, prompts) * 2
     assert stats["evictions"] + stats["skips"] > 0 and stats["offloads"] > 0

@@ -32,7 +32,7 @@ def stored_keys(tiny_llama, tier, engine_of=make_engine):
     with engine_of(tiny_llama, [tier]) as engine:
         for prompt in PROMPTS:
             engine.generate(prompt, GREEDY)
-        lmdb_tier = engine.cache_manager.tiers[0]
+        lmdb_tier = engine.offload.tiers[0]
         return [[lmdb_tier.codec.model_digest[:6] + h
                  for h in engine.prefix_key(engine.encode(p)).block_hashes] for p in PROMPTS]
 
@@ -148,7 +148,7 @@ def unusable_lmdb(tmp_path, **fields):
 
 
 def test_a_tier_that_cannot_start_is_left_out_with_one_warning(tiny_llama, tmp_path, caplog):
-    with caplog.at_level(logging.WARNING, logger="corekv.engine.tiering"):
+    with caplog.at_level(logging.WARNING, logger="corekv.offload.build"):
         with make_engine(tiny_llama, [unusable_lmdb(tmp_path), tier_config("host", tmp_path)]) as engine:
             output = engine.generate(PROMPT, GREEDY)[0]
             stats = engine.stats()

@@ -69,12 +69,12 @@ def test_write_through_offloads_as_blocks_fill(tiny_llama, tmp_path):
     tier = tier_config("host", tmp_path)
     with make_engine(tiny_llama, [tier], write_policy="write_through") as engine:
         engine.generate(PROMPT, GREEDY)
-        engine.cache_manager.flush()
+        engine.offload.flush()
         stats = engine.stats()["tiers"]["host"]
         key = engine.prefix_key(engine.encode(PROMPT))
         # 4 prompt blocks are full after the prefill (the 5th fills with generated tokens later)
         assert stats["offloads"] >= 4 and stats["evictions"] == 0
-        assert engine.cache_manager.tiers[0].exists(key.block_hashes[:4]) == 4
+        assert engine.offload.tiers[0].exists(key.block_hashes[:4]) == 4
 
 
 def test_the_per_request_opt_out_keeps_blocks_off_the_tiers(tiny_llama, tmp_path):
@@ -83,7 +83,7 @@ def test_the_per_request_opt_out_keeps_blocks_off_the_tiers(tiny_llama, tmp_path
             engine.generate(PROMPT, GREEDY, offload=False)
             evict(engine)
             key = engine.prefix_key(engine.encode(PROMPT))
-            assert engine.cache_manager.tiers[0].exists(key.block_hashes) == 0, policy
+            assert engine.offload.tiers[0].exists(key.block_hashes) == 0, policy
             assert engine.stats()["tiers"]["host"]["offloads"] > 0, "the fillers were offloaded"
             again = engine.generate(PROMPT, GREEDY)[0]
             assert again.num_cached_tokens == 0
@@ -99,7 +99,7 @@ def test_offload_min_hits_keeps_unreused_blocks_off_the_tiers(tiny_llama, tmp_pa
         engine.generate(PROMPT, GREEDY)
         engine.generate(PROMPT, GREEDY)  # a device hit: PROMPT's blocks now qualify
         evict(engine)
-        host = engine.cache_manager.tiers[0]
+        host = engine.offload.tiers[0]
         assert host.exists(engine.prefix_key(engine.encode(PROMPT)).block_hashes) == 4
         filler_key = engine.prefix_key(engine.encode("filler 0: unrelated text"))
         assert engine.stats()["tiers"]["host"]["offloads"] == 4, "fillers were never re-used"
@@ -107,8 +107,10 @@ def test_offload_min_hits_keeps_unreused_blocks_off_the_tiers(tiny_llama, tmp_pa
 
 
 def test_config_errors_name_the_fix(tiny_llama, tmp_path):
+    lmdb = tier_config("lmdb", tmp_path)
     with pytest.raises(ConfigError, match="engine.preemption.*swap.*host tier"):
-        make_engine(tiny_llama, [tier_config("lmdb", tmp_path)], preemption="swap")
+        Engine.from_config({"model": "tiny", "engine": {"num_blocks": 12, "preemption": "swap"},
+                            "cache": {"tiers": [{"type": "lmdb", **lmdb.options}]}}, model=tiny_llama)
     with pytest.raises(ConfigError, match="track_hashes"):
         cfg = make_config([tier_config("host", tmp_path)])
         cache = type(cfg.cache)(**{**cfg.cache.__dict__, "backend_options": {"track_hashes": False,

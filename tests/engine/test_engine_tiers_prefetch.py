@@ -21,7 +21,7 @@ def device_hit(tiny_llama):
 
 def prefetch_delta(engine, before: dict) -> dict:
     """Prefetch counters since ``before`` (the fillers of ``evict`` prefetch too)."""
-    after = engine.cache_manager.prefetch_stats()
+    after = engine.offload.prefetch_stats()
     return {k: after[k] - before.get(k, 0) if k != "num_staged_blocks" else after[k] for k in after}
 
 
@@ -38,9 +38,9 @@ def test_a_prefetched_reload_gives_bit_identical_logits_to_a_device_hit(tiny_lla
         probe = LogitsProbe(engine)
         engine.generate(PROMPT, GREEDY)
         evict(engine)
-        before = engine.cache_manager.prefetch_stats()
+        before = engine.offload.prefetch_stats()
         request_id = engine.add_request(PROMPT, GREEDY)
-        [prefetch] = engine.blocks.prefetches.values()
+        [prefetch] = engine.offload.prefetches.values()
         prefetch.future.result()  # staged before the first step: admission only copies
         assert prefetch.num_staged == 4
         probe.calls = []
@@ -66,7 +66,7 @@ def test_generate_waits_for_a_running_prefetch_and_counts_it(tiny_llama, tmp_pat
         engine.generate(PROMPT, GREEDY)
         evict(engine)
         hits_before = engine.stats()["tiers"]["host"]["hits"]
-        before = engine.cache_manager.prefetch_stats()
+        before = engine.offload.prefetch_stats()
         output, logits = probe.first_token_logits(engine, PROMPT)
         stats = prefetch_delta(engine, before)
         host = engine.stats()["tiers"]["host"]
@@ -83,15 +83,15 @@ def test_an_abort_before_admission_releases_the_prefetch(tiny_llama, tmp_path):
     with make_engine(tiny_llama, [tier_config("host", tmp_path)]) as engine:
         engine.generate(PROMPT, GREEDY)
         evict(engine)
-        before = engine.cache_manager.prefetch_stats()
+        before = engine.offload.prefetch_stats()
         request_id = engine.add_request(PROMPT, GREEDY)
-        [prefetch] = engine.blocks.prefetches.values()
+        [prefetch] = engine.offload.prefetches.values()
         engine.abort(request_id)
         [output] = run_to_end(engine)
         wait([prefetch.future], timeout=30)  # done or cancelled: its staging is released
         stats = prefetch_delta(engine, before)
         assert output.finish_reason == "abort"
-        assert engine.blocks.prefetches == {}
+        assert engine.offload.prefetches == {}
         assert stats["dropped"] == 1 and stats["num_staged_blocks"] == 0 and stats["used_blocks"] == 0
         assert engine.stats()["tiers"]["host"]["reloads"] == 0
         again = engine.generate(PROMPT, GREEDY)[0]  # the tier still serves the prefix
@@ -107,11 +107,11 @@ def test_a_waiting_request_prefetches_while_another_runs(tiny_llama, tmp_path):
         evict(engine)
         engine.add_request("another prompt that runs first", long)
         engine.step()  # A is admitted and running
-        before = engine.cache_manager.prefetch_stats()
+        before = engine.offload.prefetch_stats()
         engine.add_request(PROMPT, GREEDY, request_id="B")
-        prefetch = engine.blocks.prefetches[next(iter(engine.blocks.prefetches))]
+        prefetch = engine.offload.prefetches[next(iter(engine.offload.prefetches))]
         engine.step()  # B still waits: A holds the only sequence slot
-        assert engine.blocks.prefetches, "B is still waiting"
+        assert engine.offload.prefetches, "B is still waiting"
         prefetch.future.result()
         outputs = {o.request_id: o for o in run_to_end(engine)}
         stats = prefetch_delta(engine, before)
@@ -132,7 +132,7 @@ def test_prefetch_blocks_zero_turns_prefetch_off_and_stats_report_it(tiny_llama,
         engine.generate(PROMPT, GREEDY)
         evict(engine)
         engine.add_request(PROMPT, GREEDY)
-        assert engine.blocks.prefetches == {}  # nothing read ahead
+        assert engine.offload.prefetches == {}  # nothing read ahead
         [output] = run_to_end(engine)
         stats = engine.stats()
     assert output.cached_tokens_by_tier == {"device": 0, "lmdb": 4 * BLOCK}

@@ -82,5 +82,5 @@ def evict(engine: Engine, fillers=FILLERS, cache_salt=None) -> None:
     """Run unrelated prompts one at a time until the pool has reused every earlier block."""
     for filler in fillers:
         engine.generate(filler, GREEDY, cache_salt=cache_salt)
-    if engine.cache_manager is not None:
-        engine.cache_manager.flush()  # the background writer has stored what was evicted
+    if engine.offload is not None:
+        engine.offload.flush()  # the background writer has stored what was evicted

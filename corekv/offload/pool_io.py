@@ -1,8 +1,9 @@
 """Whole blocks between the KV pool and host buffers: snapshots out, tier reads in.
 
 NOTE: on a CPU pool these are row-by-row numpy copies over a uint8 view of the block-major
-storage: each block is one contiguous run of bytes, and a gather with ``index_select`` runs at
-about a tenth of memcpy on this CPU for rows this wide (BENCHMARKS.md, tier sections).
+storage: each block is one contiguous run of bytes, and torch's gathers and scatters
+(``index_select``, ``index_copy_``) run far below memcpy for rows this wide (BENCHMARKS.md,
+"Tier bandwidth").
 """
 from __future__ import annotations
 
@@ -35,8 +36,8 @@ def snapshot_blocks(pool, block_ids: Sequence[int]) -> torch.Tensor:
 
 def write_rows(pool, block_ids: Sequence[int], rows: torch.Tensor) -> None:
     """Copy host ``rows`` (uint8 ``[len(block_ids), bytes_per_block]``) into pool blocks
-    ``block_ids``: row copies on a CPU pool (``index_copy_`` ran at under half of memcpy here),
-    one batched host-to-device ``write_blocks`` otherwise."""
+    ``block_ids``: row copies on a CPU pool (see the module note), one batched host-to-device
+    ``write_blocks`` otherwise."""
     if pool.storage.device.type != "cpu":
         pool.write_blocks(list(block_ids), rows)
         return

@@ -1,10 +1,10 @@
-"""The cache manager moves whole blocks between a real KV pool and real tiers (host, LMDB)."""
+"""The offload facade moves whole blocks between a real KV pool and real tiers (host, LMDB)."""
 from __future__ import annotations
 
 import torch
 
 from corekv.backend import EvictedBlock
-from corekv.cache_manager import CacheManager, TierRun
+from corekv.offload import Offload, TierRun
 from corekv.engine.kv_pool import KVPool
 from corekv.hashing import PrefixKey, chain_seed
 from corekv.plugin import hookimpl, make_plugin_manager
@@ -27,6 +27,12 @@ def tier_kwargs(pool: KVPool) -> dict:
                 shape=pool.block_shape)
 
 
+def device_hits(manager: Offload, key: PrefixKey, num_blocks: int) -> None:
+    """Admit a request whose first ``num_blocks`` blocks of ``key`` hit on the device (counted
+    for ``offload_min_hits``) and that loads nothing from the tiers."""
+    assert manager.load(object(), key, num_blocks, num_blocks, []) == {}
+
+
 def make_key(num_blocks: int, salt: str | None = None) -> PrefixKey:
     return PrefixKey(list(range(100, 100 + num_blocks * BLOCK)), BLOCK, chain_seed("m", BLOCK, salt))
 
@@ -34,16 +40,16 @@ def make_key(num_blocks: int, salt: str | None = None) -> PrefixKey:
 def test_write_back_then_reload_gives_the_same_bytes(tmp_path):
     pool = make_pool()
     host = HostTier(size=4 * 4096, **tier_kwargs(pool))
-    manager = CacheManager([host], pool)
+    manager = Offload([host], pool)
     key = make_key(3)
     original = pool.read_blocks([0, 1, 2]).clone()
-    manager.on_evict([EvictedBlock(h, b) for h, b in zip(key.block_hashes, [0, 1, 2])])
+    manager.evicted([EvictedBlock(h, b) for h, b in zip(key.block_hashes, [0, 1, 2])])
     manager.flush()
     pool.storage[:3].zero_()
 
-    runs = manager.lookup(key, 0, 3)
+    runs = manager.reloader.lookup(key, 0, 3)
     assert runs == [TierRun(0, 3)]
-    loaded = manager.load(key, 0, runs, [5, 6, 7])
+    loaded = manager.reloader.load(key, 0, runs, [5, 6, 7])
     assert loaded == {"host": 3}
     assert torch.equal(pool.read_blocks([5, 6, 7]), original)
     assert manager.stats()["host"]["reloaded_blocks"] == 3
@@ -59,15 +65,15 @@ def test_a_prefix_can_continue_from_one_tier_into_the_next(tmp_path):
     payload = original.view(torch.uint8).reshape(4, -1).numpy()
     host.put([(key.block_hashes[i], payload[i]) for i in range(2)])
     disk.put([(key.block_hashes[i], payload[i]) for i in range(2, 4)])
-    manager = CacheManager([host, disk], pool)
+    manager = Offload([host, disk], pool)
 
-    runs = manager.lookup(key, 0, 4)
+    runs = manager.reloader.lookup(key, 0, 4)
     assert runs == [TierRun(0, 2), TierRun(1, 2)]
-    assert manager.load(key, 0, runs, [4, 5, 6, 7]) == {"host": 2, "lmdb": 2}
+    assert manager.reloader.load(key, 0, runs, [4, 5, 6, 7]) == {"host": 2, "lmdb": 2}
     assert torch.equal(pool.read_blocks([4, 5, 6, 7]), original)
     manager.flush()
     assert host.exists(key.block_hashes) == 2, "write-back promotes at eviction, not at reload"
-    manager.on_evict([EvictedBlock(h, b) for h, b in zip(key.block_hashes, [4, 5, 6, 7])])
+    manager.evicted([EvictedBlock(h, b) for h, b in zip(key.block_hashes, [4, 5, 6, 7])])
     manager.flush()
     assert host.exists(key.block_hashes) == 4
     manager.close()
@@ -80,8 +86,8 @@ def test_write_through_promotes_lower_tier_hits_at_reload(tmp_path):
     key = make_key(2)
     payload = pool.read_blocks([0, 1]).view(torch.uint8).reshape(2, -1).numpy()
     disk.put([(h, payload[i]) for i, h in enumerate(key.block_hashes)])
-    manager = CacheManager([host, disk], pool, write_policy="write_through", prefetch_blocks=0)
-    assert manager.load(key, 0, manager.lookup(key, 0, 2), [4, 5]) == {"lmdb": 2}
+    manager = Offload([host, disk], pool, write_policy="write_through", prefetch_blocks=0)
+    assert manager.reloader.load(key, 0, manager.reloader.lookup(key, 0, 2), [4, 5]) == {"lmdb": 2}
     manager.flush()
     assert host.exists(key.block_hashes) == 2
     manager.close()
@@ -95,10 +101,10 @@ def test_a_corrupt_entry_ends_the_reload_and_is_counted(tmp_path):
     host.put([(h, payload[i]) for i, h in enumerate(key.block_hashes)])
     slot = host.key_to_slot[key.block_hashes[1]]
     host._rows[slot, -1] ^= 0xFF  # flip a payload byte behind the checksum
-    manager = CacheManager([host], pool)
+    manager = Offload([host], pool)
 
-    runs = manager.lookup(key, 0, 3)
-    assert manager.load(key, 0, runs, [5, 6, 7]) == {"host": 1}
+    runs = manager.reloader.lookup(key, 0, 3)
+    assert manager.reloader.load(key, 0, runs, [5, 6, 7]) == {"host": 1}
     assert host.stats()["faults"] == 1
     assert host.exists(key.block_hashes) == 1  # the bad entry is gone
     manager.close()
@@ -107,12 +113,12 @@ def test_a_corrupt_entry_ends_the_reload_and_is_counted(tmp_path):
 def test_salts_never_share_tier_entries():
     pool = make_pool()
     host = HostTier(size=8 * 4096, **tier_kwargs(pool))
-    manager = CacheManager([host], pool)
+    manager = Offload([host], pool)
     key_a, key_b = make_key(2, salt="a"), make_key(2, salt="b")
-    manager.on_evict([EvictedBlock(h, b) for h, b in zip(key_a.block_hashes, [0, 1])])
+    manager.evicted([EvictedBlock(h, b) for h, b in zip(key_a.block_hashes, [0, 1])])
     manager.flush()
-    assert manager.lookup(key_a, 0, 2) == [TierRun(0, 2)]
-    assert manager.lookup(key_b, 0, 2) == []
+    assert manager.reloader.lookup(key_a, 0, 2) == [TierRun(0, 2)]
+    assert manager.reloader.lookup(key_b, 0, 2) == []
     manager.close()
 
 
@@ -121,8 +127,8 @@ def test_write_through_offloads_on_cache_and_write_back_does_not():
     key = make_key(2)
     for policy, expected in (("write_through", 2), ("write_back", 0)):
         host = HostTier(size=8 * 4096, **tier_kwargs(pool))
-        manager = CacheManager([host], pool, write_policy=policy)
-        manager.on_cached(key, [0, 1], start=0)
+        manager = Offload([host], pool, write_policy=policy)
+        manager.cached(key, [0, 1], start=0)
         manager.flush()
         assert host.num_entries == expected, policy
         manager.close()
@@ -131,10 +137,10 @@ def test_write_through_offloads_on_cache_and_write_back_does_not():
 def test_offload_min_hits_keeps_never_reused_blocks_off_the_tiers():
     pool = make_pool()
     host = HostTier(size=8 * 4096, **tier_kwargs(pool))
-    manager = CacheManager([host], pool, offload_min_hits=1)
+    manager = Offload([host], pool, offload_min_hits=1)
     key = make_key(2)
-    manager.note_hits(key, 1)  # only block 0 was ever hit
-    manager.on_evict([EvictedBlock(h, b) for h, b in zip(key.block_hashes, [0, 1])])
+    device_hits(manager, key, 1)  # only block 0 was ever hit
+    manager.evicted([EvictedBlock(h, b) for h, b in zip(key.block_hashes, [0, 1])])
     manager.flush()
     assert host.exists(key.block_hashes[:1]) == 1
     assert host.exists(key.block_hashes[1:]) == 0
@@ -144,14 +150,15 @@ def test_offload_min_hits_keeps_never_reused_blocks_off_the_tiers():
 def test_hit_counts_are_not_kept_without_offload_min_hits():
     pool = make_pool()
     host = HostTier(size=8 * 4096, **tier_kwargs(pool))
-    manager = CacheManager([host], pool)  # offload_min_hits=0: every block is offloaded
+    manager = Offload([host], pool)  # offload_min_hits=0: every block is offloaded
     key = make_key(3)
-    manager.on_evict([EvictedBlock(h, b) for h, b in zip(key.block_hashes, [0, 1, 2])])
+    manager.evicted([EvictedBlock(h, b) for h, b in zip(key.block_hashes, [0, 1, 2])])
     manager.flush()
-    manager.note_hits(key, 3)
-    assert manager.load(key, 0, manager.lookup(key, 0, 3), [5, 6, 7]) == {"host": 3}
-    prefetch = manager.prefetch(key, 0, 3)
-    assert manager.load_prefix(key, 0, 3, [4, 5, 6], prefetch) == {"host": 3}
+    device_hits(manager, key, 3)
+    assert manager.reloader.load(key, 0, manager.reloader.lookup(key, 0, 3), [5, 6, 7]) == {"host": 3}
+    manager.arrived("prefetch", key, 0, 3)
+    prefetch = manager.prefetches["prefetch"]
+    assert manager.load("prefetch", key, 0, 3, [4, 5, 6]) == {"host": 3}
     assert manager.hit_counts == {}, "device hits and reloads are not counted when nothing needs them"
     manager.close()
 
@@ -159,18 +166,18 @@ def test_hit_counts_are_not_kept_without_offload_min_hits():
 def test_a_blocks_hit_count_is_dropped_when_it_is_evicted_after_the_offload_decision():
     pool = make_pool()
     host = HostTier(size=8 * 4096, **tier_kwargs(pool))
-    manager = CacheManager([host], pool, offload_min_hits=2)
+    manager = Offload([host], pool, offload_min_hits=2)
     key = make_key(2)
-    manager.note_hits(key, 2)
-    manager.note_hits(key, 1)
+    device_hits(manager, key, 2)
+    device_hits(manager, key, 1)
     assert manager.hit_counts == {key.block_hashes[1]: 1, key.block_hashes[0]: 2}
-    manager.on_evict([EvictedBlock(h, b) for h, b in zip(key.block_hashes, [0, 1])])
+    manager.evicted([EvictedBlock(h, b) for h, b in zip(key.block_hashes, [0, 1])])
     manager.flush()
     assert host.exists(key.block_hashes[:1]) == 1 and host.exists(key.block_hashes[1:]) == 0
     assert manager.hit_counts == {}, "an evicted block's count leaves with it"
     # cached again: the count starts over, one hit is not enough this time
-    manager.note_hits(key, 2)
-    manager.on_evict([EvictedBlock(key.block_hashes[1], 1)])
+    device_hits(manager, key, 2)
+    manager.evicted([EvictedBlock(key.block_hashes[1], 1)])
     manager.flush()
     assert host.exists(key.block_hashes[1:]) == 0
     manager.close()
@@ -181,11 +188,11 @@ def test_hit_counts_never_hold_more_blocks_than_the_pool():
     without prefix caching) are dropped least recently counted first."""
     pool = make_pool(8)
     host = HostTier(size=8 * 4096, **tier_kwargs(pool))
-    manager = CacheManager([host], pool, offload_min_hits=1)
+    manager = Offload([host], pool, offload_min_hits=1)
     key, other = make_key(8), make_key(3, salt="other")
-    manager.note_hits(key, 8)
-    manager.note_hits(key, 1)  # block 0 is now the most recently counted
-    manager.note_hits(other, 3)
+    device_hits(manager, key, 8)
+    device_hits(manager, key, 1)  # block 0 is now the most recently counted
+    device_hits(manager, other, 3)
     assert len(manager.hit_counts) == pool.num_blocks
     assert set(manager.hit_counts) == {key.block_hashes[0], *key.block_hashes[4:], *other.block_hashes}
     assert manager.hit_counts[key.block_hashes[0]] == 2
@@ -204,13 +211,13 @@ def test_a_batch_that_fails_after_its_write_gives_its_queue_room_back():
     pool = make_pool()
     host = HostTier(size=8 * 4096, **tier_kwargs(pool))
     hooks = make_plugin_manager([FailingOffloadHook()], autoload=False).hook
-    manager = CacheManager([host], pool, queue_blocks=2, hooks=hooks)
+    manager = Offload([host], pool, queue_blocks=2, hooks=hooks)
     key = make_key(4)
     evicted = [EvictedBlock(h, b) for h, b in zip(key.block_hashes, [0, 1, 2, 3])]
-    manager.on_evict(evicted[:2])  # written, then the hook raises on the writer thread
+    manager.evicted(evicted[:2])  # written, then the hook raises on the writer thread
     manager.flush()
     assert manager.num_queued_blocks == 0
-    manager.on_evict(evicted[2:])  # the queue has its full room again
+    manager.evicted(evicted[2:])  # the queue has its full room again
     manager.flush()
     assert manager.stats()["host"]["offload_skips"] == 0
     assert host.exists(key.block_hashes) == 4
@@ -222,7 +229,7 @@ def test_a_snapshot_that_fails_gives_its_queue_room_back():
 
     from collections import Counter
 
-    from corekv.offload_writer import OffloadWriter
+    from corekv.offload.writer import OffloadWriter
 
     writer = OffloadWriter(Counter(), queue_blocks=2)
 
@@ -256,11 +263,11 @@ def test_a_full_offload_queue_skips_and_counts_instead_of_waiting():
     pool = make_pool()
     gate = threading.Event()
     host = GatedHostTier(gate, size=8 * 4096, **tier_kwargs(pool))
-    manager = CacheManager([host], pool, queue_blocks=2)
+    manager = Offload([host], pool, queue_blocks=2)
     key = make_key(3)
     evicted = [EvictedBlock(h, b) for h, b in zip(key.block_hashes, [0, 1, 2])]
-    manager.on_evict(evicted[:2])  # fills the queue; the writer is held at the gate
-    manager.on_evict(evicted[2:])  # no room: skipped and counted, on_evict returns at once
+    manager.evicted(evicted[:2])  # fills the queue; the writer is held at the gate
+    manager.evicted(evicted[2:])  # no room: skipped and counted, on_evict returns at once
     gate.set()
     manager.flush()
     assert manager.stats()["host"]["offload_skips"] == 1
@@ -271,9 +278,9 @@ def test_a_full_offload_queue_skips_and_counts_instead_of_waiting():
 def test_an_empty_queue_takes_a_batch_larger_than_its_bound():
     pool = make_pool()
     host = HostTier(size=8 * 4096, **tier_kwargs(pool))
-    manager = CacheManager([host], pool, queue_blocks=2)
+    manager = Offload([host], pool, queue_blocks=2)
     key = make_key(3)
-    manager.on_evict([EvictedBlock(h, b) for h, b in zip(key.block_hashes, [0, 1, 2])])
+    manager.evicted([EvictedBlock(h, b) for h, b in zip(key.block_hashes, [0, 1, 2])])
     manager.flush()
     assert manager.stats()["host"]["offload_skips"] == 0
     assert host.exists(key.block_hashes) == 3
@@ -283,11 +290,11 @@ def test_an_empty_queue_takes_a_batch_larger_than_its_bound():
 def test_a_closed_tier_is_a_miss_not_an_error():
     pool = make_pool()
     host = HostTier(size=8 * 4096, **tier_kwargs(pool))
-    manager = CacheManager([host], pool)
+    manager = Offload([host], pool)
     host.close()
     key = make_key(2)
-    assert manager.lookup(key, 0, 2) == []
-    manager.on_evict([EvictedBlock(key.block_hashes[0], 0)])
+    assert manager.reloader.lookup(key, 0, 2) == []
+    manager.evicted([EvictedBlock(key.block_hashes[0], 0)])
     manager.flush()
     manager.close()
 
@@ -298,14 +305,14 @@ def test_opted_out_blocks_stay_off_the_tiers_until_evicted():
     evicted = [EvictedBlock(h, b) for h, b in zip(key.block_hashes, [0, 1])]
     for policy in ("write_back", "write_through"):
         host = HostTier(size=8 * 4096, **tier_kwargs(pool))
-        manager = CacheManager([host], pool, write_policy=policy)
-        manager.on_cached(key, [0, 1], 0, offload=False)
-        manager.on_evict(evicted)
+        manager = Offload([host], pool, write_policy=policy)
+        manager.cached(key, [0, 1], 0, offload=False)
+        manager.evicted(evicted)
         manager.flush()
         assert host.exists(key.block_hashes) == 0, policy
         assert not manager.opted_out, "an evicted block's opt-out is forgotten with it"
-        manager.on_cached(key, [0, 1], 0)  # cached again by a request that opted in
-        manager.on_evict(evicted)
+        manager.cached(key, [0, 1], 0)  # cached again by a request that opted in
+        manager.evicted(evicted)
         manager.flush()
         assert host.exists(key.block_hashes) == 2, policy
         manager.close()
@@ -315,7 +322,7 @@ def test_flush_to_chosen_tiers_writes_more_blocks_than_the_queue_holds(tmp_path)
     pool = make_pool(8)
     host = HostTier(size=8 * 4096, **tier_kwargs(pool))
     disk = LMDBTier(path=str(tmp_path / "kv"), size=1 << 22, **tier_kwargs(pool))
-    manager = CacheManager([host, disk], pool, queue_blocks=2)
+    manager = Offload([host, disk], pool, queue_blocks=2)
     key = make_key(6)
     manager.flush(list(zip(key.block_hashes, range(6))), tiers=[disk])
     assert disk.exists(key.block_hashes) == 6 and host.exists(key.block_hashes) == 0
@@ -323,25 +330,40 @@ def test_flush_to_chosen_tiers_writes_more_blocks_than_the_queue_holds(tmp_path)
     manager.close()
 
 
-def test_swap_out_and_a_private_block_come_back_byte_identical():
+def test_park_and_unpark_bring_a_preempted_sequence_back_byte_identical():
+    """Swap: the full blocks are parked under their hashes (reloaded like any offloaded block),
+    the partial last one under a private key that unpark brings back once and then deletes."""
     pool = make_pool()
     host = HostTier(size=8 * 4096, **tier_kwargs(pool))
-    manager = CacheManager([host], pool)
-    key = make_key(2)
-    private = b"private-swap-key"
+    manager = Offload([host], pool, swap_tier=0)
+    key = make_key(3)
     original = pool.read_blocks([0, 1, 2]).clone()
-    assert manager.swap_out(0, key.block_hashes, [0, 1]) == 2
-    assert manager.swap_out(0, [private], [2]) == 1
-    assert manager.swap_out(0, key.block_hashes, [0, 1]) == 2  # already there: nothing rewritten
-    assert manager.stats()["host"]["swapped_out_blocks"] == 3
+    parked = manager.park("seq-0", key, [0, 1, 2], num_computed=2 * BLOCK + 1)
+    assert (parked.num_full_blocks, parked.num_computed_tokens, parked.num_blocks) == (2, 2 * BLOCK + 1, 3)
+    assert parked.private_key not in key.block_hashes
+    again = manager.park("seq-0", key, [0, 1, 2], num_computed=2 * BLOCK + 1)  # already there
+    assert again.num_blocks == 3 and manager.stats()["host"]["swapped_out_blocks"] == 3
     pool.storage[:3].zero_()
-    assert manager.load(key, 0, manager.lookup(key, 0, 2), [3, 4]) == {"host": 2}
-    assert manager.load_private(0, private, 5)
+    assert manager.reloader.load(key, 0, manager.reloader.lookup(key, 0, 2), [3, 4]) == {"host": 2}
+    assert manager.unpark(parked, [3, 4, 5], num_full_loaded=2) == 2 * BLOCK + 1
     assert torch.equal(pool.read_blocks([3, 4, 5]), original)
-    manager.delete_private(0, private)
-    assert not manager.load_private(0, private, 6)
+    assert not host.contains(parked.private_key), "an unparked private entry is deleted"
     stats = manager.stats()["host"]
-    assert stats["swapped_in_blocks"] == 1 and stats["reloads"] == 2 and stats["misses"] >= 1
+    assert stats["swapped_in_blocks"] == 1 and stats["reloads"] == 2
+    manager.close()
+
+
+def test_a_partial_block_is_recomputed_when_the_blocks_before_it_did_not_all_come_back():
+    pool = make_pool()
+    host = HostTier(size=8 * 4096, **tier_kwargs(pool))
+    manager = Offload([host], pool, swap_tier=0)
+    key = make_key(3)
+    parked = manager.park("seq-1", key, [0, 1, 2], num_computed=2 * BLOCK + 1)
+    assert manager.unpark(parked, [3, 4, 5], num_full_loaded=1) is None
+    assert not host.contains(parked.private_key) and manager.stats()["host"]["swapped_in_blocks"] == 0
+    left = manager.park("seq-2", key, [0, 1, 2], num_computed=2 * BLOCK + 1)
+    manager.left("seq-2", left)  # aborted while waiting: its private entry goes too
+    assert not host.contains(left.private_key)
     manager.close()
 
 
@@ -360,13 +382,14 @@ def test_a_prefetched_prefix_loads_the_same_bytes_as_a_synchronous_load():
     host = HostTier(size=8 * 4096, **tier_kwargs(pool))
     key = make_key(3)
     original = offloaded(pool, key, host)
-    manager = CacheManager([host], pool)
-    prefetch = manager.prefetch(key, 0, 3)
+    manager = Offload([host], pool)
+    manager.arrived("prefetch", key, 0, 3)
+    prefetch = manager.prefetches["prefetch"]
     prefetch.future.result()  # the job ran: admission finds the rows ready
     assert manager.prefetch_stats()["num_staged_blocks"] == 3
     host.delete(key.block_hashes)  # gone from the tier since: the staged bytes still serve
 
-    assert manager.load_prefix(key, 0, 3, [5, 6, 7], prefetch) == {"host": 3}
+    assert manager.load("prefetch", key, 0, 3, [5, 6, 7]) == {"host": 3}
     assert torch.equal(pool.read_blocks([5, 6, 7]), original)
     stats = manager.prefetch_stats()
     assert stats["ready"] == 1 and stats["stopped"] == 0 and stats["used_blocks"] == 3
@@ -380,17 +403,19 @@ def test_admission_rechecks_the_device_match_against_the_prefetch():
     host = HostTier(size=8 * 4096, **tier_kwargs(pool))
     key = make_key(4)
     original = offloaded(pool, key, host)
-    manager = CacheManager([host], pool)
+    manager = Offload([host], pool)
     # the device gained block 0 since arrival: block 0's staged row is not used
-    grew = manager.prefetch(key, 0, 4)
+    manager.arrived("grew", key, 0, 4)
+    grew = manager.prefetches["grew"]
     grew.future.result()
-    assert manager.load_prefix(key, 1, 4, [8, 9, 10], grew) == {"host": 3}
+    assert manager.load("grew", key, 1, 4, [8, 9, 10]) == {"host": 3}
     assert torch.equal(pool.read_blocks([8, 9, 10]), original[1:])
     assert manager.prefetch_stats()["dropped_blocks"] == 1
     # the device lost blocks 0-1 since arrival: they load synchronously, then the staged rows
-    shrank = manager.prefetch(key, 2, 4)
+    manager.arrived("shrank", key, 2, 4)
+    shrank = manager.prefetches["shrank"]
     shrank.future.result()
-    assert manager.load_prefix(key, 0, 4, [11, 12, 13, 14], shrank) == {"host": 4}
+    assert manager.load("shrank", key, 0, 4, [11, 12, 13, 14]) == {"host": 4}
     assert torch.equal(pool.read_blocks([11, 12, 13, 14]), original)
     assert manager.prefetch_stats()["used_blocks"] == 3 + 2
     manager.close()
@@ -400,16 +425,18 @@ def test_a_prefetch_that_vanished_or_missed_falls_back_to_what_the_tiers_hold(tm
     pool = make_pool(12)
     host = HostTier(size=8 * 4096, **tier_kwargs(pool))
     key = make_key(3)
-    manager = CacheManager([host], pool)
-    early = manager.prefetch(key, 0, 3)  # nothing stored yet: stages nothing
+    manager = Offload([host], pool)
+    manager.arrived("early", key, 0, 3)
+    early = manager.prefetches["early"]  # nothing stored yet: stages nothing
     early.future.result()
     original = offloaded(pool, key, host)  # stored after the prefetch ran (another request's offload)
-    assert manager.load_prefix(key, 0, 3, [5, 6, 7], early) == {"host": 3}
+    assert manager.load("early", key, 0, 3, [5, 6, 7]) == {"host": 3}
     assert torch.equal(pool.read_blocks([5, 6, 7]), original)
     host.delete(key.block_hashes[1:])  # vanished before the next prefetch: it stages one block
-    late = manager.prefetch(key, 0, 3)
+    manager.arrived("late", key, 0, 3)
+    late = manager.prefetches["late"]
     late.future.result()
-    assert manager.load_prefix(key, 0, 3, [8, 9, 10], late) == {"host": 1}
+    assert manager.load("late", key, 0, 3, [8, 9, 10]) == {"host": 1}
     assert manager.prefetch_stats()["staged_blocks"] == 1
     manager.close()
 
@@ -419,9 +446,10 @@ def test_dropping_a_prefetch_releases_its_staging_and_counts_it():
     host = HostTier(size=8 * 4096, **tier_kwargs(pool))
     key = make_key(3)
     offloaded(pool, key, host)
-    manager = CacheManager([host], pool)
-    prefetch = manager.prefetch(key, 0, 3)
-    manager.drop_prefetch(prefetch)
+    manager = Offload([host], pool)
+    manager.arrived("prefetch", key, 0, 3)
+    prefetch = manager.prefetches["prefetch"]
+    manager.left("prefetch")
     manager.close()  # waits for a running job; its done-callback releases the staging
     stats = manager.prefetch_stats()
     assert stats["dropped"] == 1 and stats["num_staged_blocks"] == 0 and stats["used_blocks"] == 0
@@ -436,14 +464,14 @@ def test_a_queued_prefetch_is_cancelled_and_a_running_one_stops_at_admission():
     import threading
     import time
 
-    from corekv.prefetch import Prefetcher
+    from corekv.offload.prefetch import Prefetcher
 
     pool = make_pool(16)
     host = HostTier(size=8 * 4096, **tier_kwargs(pool))
     key_a, key_b = make_key(2, salt="a"), make_key(2, salt="b")
     original_a = offloaded(pool, key_a, host)
     original_b = offloaded(pool, key_b, host)
-    manager = CacheManager([host], pool)
+    manager = Offload([host], pool)
     entered = threading.Event()
 
     def gated_stage(prefetch, *args):
@@ -451,16 +479,18 @@ def test_a_queued_prefetch_is_cancelled_and_a_running_one_stops_at_admission():
         deadline = time.monotonic() + 30
         while not prefetch.stop_requested and time.monotonic() < deadline:
             time.sleep(0.001)
-        return manager._stage(prefetch, *args)
+        return manager.reloader.stage(prefetch, *args)
 
     manager.prefetcher.close()
     manager.prefetcher = Prefetcher(gated_stage, max_blocks=8)
-    first = manager.prefetch(key_a, 0, 2)
+    manager.arrived("first", key_a, 0, 2)
+    first = manager.prefetches["first"]
     entered.wait(timeout=30)
-    second = manager.prefetch(key_b, 0, 2)  # queued behind the held job
-    assert manager.load_prefix(key_b, 0, 2, [10, 11], second) == {"host": 2}
+    manager.arrived("second", key_b, 0, 2)
+    second = manager.prefetches["second"]  # queued behind the held job
+    assert manager.load("second", key_b, 0, 2, [10, 11]) == {"host": 2}
     assert torch.equal(pool.read_blocks([10, 11]), original_b)
-    assert manager.load_prefix(key_a, 0, 2, [12, 13], first) == {"host": 2}
+    assert manager.load("first", key_a, 0, 2, [12, 13]) == {"host": 2}
     assert torch.equal(pool.read_blocks([12, 13]), original_a)
     stats = manager.prefetch_stats()
     assert stats["fallbacks"] == 1 and stats["stopped"] == 1 and stats["staged_blocks"] == 0
@@ -476,13 +506,13 @@ def test_a_stopped_prefetch_keeps_what_it_staged_and_admission_loads_the_rest():
     import threading
     import time
 
-    import corekv.cache_manager as cache_manager_module
+    import corekv.offload.reload as reload_module
 
     pool = make_pool(16)
     host = HostTier(size=8 * 4096, **tier_kwargs(pool))
-    key = make_key(cache_manager_module._CHUNK + 2)
+    key = make_key(reload_module._CHUNK + 2)
     original = offloaded(pool, key, host)
-    manager = CacheManager([host], pool)
+    manager = Offload([host], pool)
     real_get_into, calls, started = host.get_into, [], []
     first_call_done = threading.Event()
 
@@ -497,16 +527,17 @@ def test_a_stopped_prefetch_keeps_what_it_staged_and_admission_loads_the_rest():
 
     host.get_into = gated_get_into
     num = len(key.block_hashes)
-    prefetch = manager.prefetch(key, 0, num)
+    manager.arrived("prefetch", key, 0, num)
+    prefetch = manager.prefetches["prefetch"]
     started.append(prefetch)
     first_call_done.wait(timeout=30)
     host.get_into = real_get_into  # admission's synchronous load reads the tier directly
     ids = list(range(2, 2 + num))
-    assert manager.load_prefix(key, 0, num, ids, prefetch) == {"host": num}
+    assert manager.load("prefetch", key, 0, num, ids) == {"host": num}
     assert torch.equal(pool.read_blocks(ids), original)
     stats = manager.prefetch_stats()
-    assert calls == [cache_manager_module._CHUNK] and stats["stopped"] == 1
-    assert stats["staged_blocks"] == stats["used_blocks"] == cache_manager_module._CHUNK
+    assert calls == [reload_module._CHUNK] and stats["stopped"] == 1
+    assert stats["staged_blocks"] == stats["used_blocks"] == reload_module._CHUNK
     assert host.stats()["hits"] == num, "every block was read from the tier exactly once"
     manager.close()
 
@@ -517,11 +548,12 @@ def test_prefetch_stages_at_most_its_bound_and_loads_the_rest_synchronously(tmp_
     disk = LMDBTier(path=str(tmp_path / "kv"), size=1 << 22, **tier_kwargs(pool))
     key = make_key(4)
     original = offloaded(pool, key, disk)  # only in the lower tier: staged rows get promoted
-    manager = CacheManager([host, disk], pool, prefetch_blocks=3, write_policy="write_through")
-    prefetch = manager.prefetch(key, 0, 4)
+    manager = Offload([host, disk], pool, prefetch_blocks=3, write_policy="write_through")
+    manager.arrived("prefetch", key, 0, 4)
+    prefetch = manager.prefetches["prefetch"]
     prefetch.future.result()
     assert manager.prefetch_stats()["num_staged_blocks"] == 3
-    assert manager.load_prefix(key, 0, 4, [8, 9, 10, 11], prefetch) == {"lmdb": 4}
+    assert manager.load("prefetch", key, 0, 4, [8, 9, 10, 11]) == {"lmdb": 4}
     assert torch.equal(pool.read_blocks([8, 9, 10, 11]), original)
     manager.flush()
     assert host.exists(key.block_hashes) == 4, "staged and synchronous loads were both promoted"
@@ -529,7 +561,7 @@ def test_prefetch_stages_at_most_its_bound_and_loads_the_rest_synchronously(tmp_
     manager.close()
     for bad in (-1, 1.5, True):
         try:
-            CacheManager([], pool, prefetch_blocks=bad)
+            Offload([], pool, prefetch_blocks=bad)
         except ValueError as e:
             assert "prefetch_blocks" in str(e)
         else:
@@ -539,7 +571,7 @@ def test_prefetch_stages_at_most_its_bound_and_loads_the_rest_synchronously(tmp_
 def test_pool_io_row_copies_match_the_pools_own_block_moves():
     import pytest
 
-    from corekv.pool_io import snapshot_blocks, write_rows
+    from corekv.offload.pool_io import snapshot_blocks, write_rows
 
     pool = make_pool(8)
     snapshot = snapshot_blocks(pool, [5, 1, 3])

@@ -2,21 +2,20 @@
 
 When a request arrives, :meth:`Prefetcher.start` queues a job on one background thread: look its
 prefix up in the tiers beyond the device match and copy the hits' validated bytes (header and
-checksum checked, as on every load) into one staging buffer. At admission the cache manager
-takes the staged rows (:meth:`Prefetcher.take`) and copies them into the allocated pool blocks
-in one batched copy, so the tier I/O of request B runs while the engine's step for the others
-does. A job that has not started by admission is cancelled and the manager loads synchronously
-instead; a job that is running is told to stop after its current tier call and waited for, and
-the manager loads the blocks it did not reach: a block is never fetched twice.
+tag checked, as on every load) into one staging buffer. At admission the reloader takes the
+staged rows (:meth:`Prefetcher.take`) and copies them into the allocated pool blocks in one
+batched copy, so the tier I/O of request B runs while the engine's step for the others does. A
+job that has not started by admission is cancelled and the reloader loads synchronously instead;
+a job that is running is told to stop after its current tier call and waited for, and the
+reloader loads the blocks it did not reach: a block is never fetched twice.
 
 NOTE: a job admission would wait for is stopped rather than finished because the engine thread
-has nothing else to do meanwhile and can load the rest straight into the pool blocks itself.
-Measured at 2K tokens from the host tier (with the other core busy): 23-34 ms when admission
-waited for the whole job, 22-30 ms when it stopped the job, ~20 ms when the job had not started;
-the gain is mostly simplicity (no handing of pool blocks to a running job).
+has nothing else to do meanwhile and can load the rest straight into the pool blocks itself; it
+also means pool blocks are never handed to a running job (BENCHMARKS.md, "Prefetch: stopping a
+running job at admission").
 
 NOTE: staged bytes are keyed by chained block hashes, which name a block's whole prefix, so they
-stay right whatever happens to the device cache or the tiers meanwhile: the manager only
+stay right whatever happens to the device cache or the tiers meanwhile: the reloader only
 decides at admission (from the device match it finds then) which staged rows it still needs.
 """
 from __future__ import annotations
@@ -35,12 +34,12 @@ from corekv.hashing import PrefixKey
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["Prefetch", "Prefetcher", "StagedRun"]
+__all__ = ["Prefetch", "Prefetcher", "TierRun"]
 
 
 @dataclass(frozen=True)
-class StagedRun:
-    """``num_blocks`` consecutive staged blocks that came from tier ``tier_index``."""
+class TierRun:
+    """``num_blocks`` consecutive blocks of a prefix held by (or staged from) tier ``tier_index``."""
 
     tier_index: int
     num_blocks: int
@@ -58,7 +57,7 @@ class Prefetch:
     start: int
     stop: int
     future: Future | None = None
-    runs: list[StagedRun] = field(default_factory=list)
+    runs: list[TierRun] = field(default_factory=list)
     staging: torch.Tensor | None = None
     #: set by admission: the job ends after its current tier call (a plain flag: the job only
     #: reads it, between tier calls)
@@ -79,12 +78,12 @@ class Prefetch:
         """The job staged ``num_blocks`` more blocks (merged into the last run when alike)."""
         last = self.runs[-1] if self.runs else None
         if last is not None and last.tier_index == tier_index:
-            self.runs[-1] = StagedRun(tier_index, last.num_blocks + num_blocks)
+            self.runs[-1] = TierRun(tier_index, last.num_blocks + num_blocks)
         else:
-            self.runs.append(StagedRun(tier_index, num_blocks))
+            self.runs.append(TierRun(tier_index, num_blocks))
 
 
-#: ``stage(prefetch, max_blocks, reserve)``: the manager's fetch; it calls ``reserve(rows)`` once,
+#: ``stage(prefetch, max_blocks, reserve)``: the reloader's fetch; it calls ``reserve(rows)`` once,
 #: before allocating ``prefetch.staging``, and fills ``prefetch.runs`` with ``prefetch.add``
 StageFn = Callable[[Prefetch, int, Callable[[int], None]], None]
 

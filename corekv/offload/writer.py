@@ -1,6 +1,6 @@
 """The offload writer: one background thread that stores snapshots of blocks in tiers.
 
-The cache manager takes a snapshot of the blocks to offload on the caller's thread (the pool slot
+The facade takes a snapshot of the blocks to offload on the caller's thread (the pool slot
 may be reused as soon as the caller returns) and hands it here; encoding, checksums and tier I/O
 run on the writer thread, so generation never waits for a tier. When the queue is full the
 blocks are skipped and counted instead.
@@ -98,8 +98,9 @@ class OffloadWriter:
             try:
                 payload = snapshot.contiguous().view(torch.uint8).reshape(len(hashes), -1).numpy()
                 for tier in tiers:
-                    missing = [i for i, h in enumerate(hashes)
-                               if not safe_tier_call(lambda: tier.exists([h]), 0, tier, "exists")]
+                    present = safe_tier_call(lambda: tier.contains_many(hashes), [False] * len(hashes),
+                                             tier, "contains_many")
+                    missing = [i for i, is_present in enumerate(present) if not is_present]
                     if not missing:
                         continue
                     stored = safe_tier_call(lambda: tier.put([(hashes[i], payload[i]) for i in missing]),

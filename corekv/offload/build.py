@@ -1,0 +1,85 @@
+"""Building the offload side from ``cache.tiers``: the tiers through their plugins, the swap tier.
+
+Each ``cache.tiers`` entry names a tier type a plugin registers (the config reader checked the
+type and options); the tiers are built in order with the block geometry of the KV pool and the
+model's fingerprint, so a tier never serves another model's or another layout's blocks.
+"""
+from __future__ import annotations
+
+import logging
+
+from corekv.config import CacheConfig
+from corekv.errors import ConfigError, PluginError
+from corekv.offload.facade import Offload
+from corekv.tier import make_tier
+
+__all__ = ["make_offload", "fingerprint_bytes"]
+logger = logging.getLogger(__name__)
+
+
+def fingerprint_bytes(fingerprint: str) -> bytes:
+    """The tier fingerprint of a model: its hex digest as bytes (any other string, UTF-8)."""
+    try:
+        return bytes.fromhex(fingerprint)
+    except ValueError:
+        return fingerprint.encode()
+
+
+def make_offload(cache: CacheConfig, plugin_manager, *, fingerprint: str, dtype: str, kv_pool, backend,
+                 swap: bool = False) -> tuple[Offload | None, dict[str, str]]:
+    """The tiers of ``cache.tiers``, in order, under one :class:`Offload` wired to ``backend``'s
+    evictions (``None`` when no tier is configured or none started), and ``{tier name: why it
+    did not start}``.
+
+    A tier that fails to start is left out with one warning, unless it says ``required: true``;
+    then, as for every configuration error, nothing starts. Tiers already built are closed again
+    if a later one fails, so a bad config leaks no open LMDB environment or connection. With
+    ``swap``, preempted sequences are parked in the first host tier that started.
+
+    :raises ConfigError: a required tier that failed, a missing integrity secret, swap without a
+        started host tier, or a backend that cannot report evicted blocks' hashes (radix with
+        ``track_hashes: false``).
+    """
+    if not cache.tiers:
+        return None, {}
+    specs = plugin_manager.tiers()
+    secret = cache.integrity.secret()
+    tiers, not_started = [], {}
+    try:
+        for i, tier_cfg in enumerate(cache.tiers):
+            try:
+                tiers.append(make_tier(specs[tier_cfg.type], tier_cfg.options, block_bytes=kv_pool.bytes_per_block,
+                                       fingerprint=fingerprint_bytes(fingerprint), dtype=dtype,
+                                       shape=kv_pool.block_shape, name=tier_cfg.name, secret=secret,
+                                       where=f"cache.tiers[{i}]"))
+            except (ConfigError, PluginError) as e:
+                if tier_cfg.required:
+                    raise
+                not_started[tier_cfg.name] = str(e)
+                logger.warning("tier %s did not start and is left out (set required: true to refuse "
+                               "to run without it): %s", tier_cfg.name, e)
+        swap_tier = None
+        if swap:
+            host_names = {t.name for t in cache.tiers if t.type == "host"}
+            swap_tier = next((i for i, t in enumerate(tiers) if t.name in host_names), None)
+            if swap_tier is None:
+                raise ConfigError(f"engine.preemption: 'swap' needs a host tier, and none started "
+                                  f"({not_started}); fix the tier or use preemption: recompute")
+    except BaseException:
+        for tier in tiers:
+            tier.close()
+        raise
+    if not tiers:
+        return None, not_started
+    offload = Offload(tiers, kv_pool, write_policy=cache.write_policy, offload_min_hits=cache.offload_min_hits,
+                      queue_blocks=cache.offload_queue_blocks, hooks=plugin_manager.hook,
+                      prefetch_blocks=cache.prefetch_blocks, swap_tier=swap_tier,
+                      cached_blocks=lambda: [(h, b) for b in range(backend.num_blocks)
+                                             if (h := backend.block_hash(b)) is not None])
+    try:
+        backend.on_evict = offload.evicted
+    except ValueError as e:
+        offload.close()
+        raise ConfigError(f"cache.tiers needs a backend that reports evicted blocks' hashes: {e} "
+                          "(for radix: set cache.backend_options.track_hashes: true)") from e
+    return offload, not_started

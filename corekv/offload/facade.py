@@ -1,0 +1,272 @@
+"""The facade: the verbs the engine side calls, and the offload policy between the pool and the tiers.
+
+Offload: ``write_back`` (default) copies a cached block out of the pool at the moment the backend
+evicts it (before its slot is reused), ``write_through`` as soon as it is cached. The copy is
+taken on the caller's thread (a memcpy); the tier writes run on one background thread behind a
+bounded queue (:mod:`corekv.offload.writer`), and when that queue is full the blocks are skipped
+and counted — generation never waits for a tier. Blocks reloaded from a lower tier reach the tiers
+above it: with ``write_back`` when they are evicted, like any cached block (eviction writes every
+tier that lacks a block); with ``write_through`` at once.
+
+NOTE: promoting at reload under ``write_back`` would copy every reloaded block out of the pool
+again on the admission path (inside TTFT) for a write that eviction makes anyway.
+
+NOTE: an offloaded block goes to *every* tier that does not already hold it, not only the first:
+with ``host`` above ``lmdb`` the fast tier catches re-use within the process while the persistent
+one survives restarts. ``offload_min_hits`` keeps blocks that were never re-used off the tiers
+(SSD wear): a block qualifies when it was hit on the device (or reloaded) that often while
+resident, and its count is dropped when it is evicted. Blocks cached by a request that opted out
+(``cached(..., offload=False)``) are kept off the tiers until they leave the device.
+"""
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Callable, Hashable, Sequence
+
+import torch
+
+from corekv.backend import EvictedBlock
+from corekv.hashing import BlockHash, PrefixKey
+from corekv.offload.pool_io import snapshot_blocks
+from corekv.offload.prefetch import Prefetch, Prefetcher
+from corekv.offload.reload import Reloader
+from corekv.offload.swap import Parked, Swap
+from corekv.offload.writer import OffloadWriter, safe_tier_call as _safe
+from corekv.tier import Tier
+
+__all__ = ["Offload"]
+
+
+class Offload:
+    """Moves whole blocks between a device pool and an ordered list of tiers.
+
+    The verbs, in a block's life: :meth:`arrived` (a request came: prefetch its tier hits),
+    :meth:`load` (admission: load what the tiers hold after the device match), :meth:`cached`
+    (blocks became cached: write-through), :meth:`evicted` (the backend reuses cached blocks'
+    slots: write-back), :meth:`park` / :meth:`unpark` (swap preemption), :meth:`left` (a request
+    left before admission) and :meth:`close`.
+
+    Invariants: the offload queue holds at most ``queue_blocks`` blocks, or one batch if that
+    batch alone is larger; prefetches stage at most ``prefetch_blocks`` blocks at once; tier
+    failures never raise into the engine (the tiers count them as misses, skips or faults);
+    ``hit_counts`` is empty when ``offload_min_hits`` is 0, else it counts only blocks on the
+    device and never holds more than the pool's ``num_blocks`` entries (the least recently
+    counted dropped first); ``opted_out`` holds only hashes cached on the device; a prefetch is
+    kept per waiting request only, until :meth:`load` or :meth:`left`.
+
+    NOTE: the ``num_blocks`` cap backs the eviction rule up for blocks that leave the device
+    without an eviction callback (a swapped-in block without prefix caching is never cached, so
+    never evicted). At most ``num_blocks`` blocks are resident at once, so where every counted
+    block is cached the cap never drops a resident block's count.
+    """
+
+    def __init__(self, tiers: Sequence[Tier], kv_pool, *, write_policy: str = "write_back",
+                 offload_min_hits: int = 0, queue_blocks: int = 256, hooks=None,
+                 prefetch_blocks: int | None = None, swap_tier: int | None = None,
+                 cached_blocks: Callable[[], list[tuple[BlockHash, int]]] | None = None):
+        """:param prefetch_blocks: blocks prefetches may stage in host memory at once (None: as
+            many as the device pool holds; 0: no prefetch, admission loads synchronously).
+        :param swap_tier: index of the tier swap preemption parks blocks in (None: no swap).
+        :param cached_blocks: ``(hash, block id)`` of every block cached on the device; at
+            :meth:`close` they are written to the persistent tiers, so a new process finds them.
+        """
+        if write_policy not in ("write_back", "write_through"):
+            raise ValueError(f"write_policy must be 'write_back' or 'write_through', got {write_policy!r}")
+        if offload_min_hits < 0:
+            raise ValueError(f"offload_min_hits must be >= 0, got {offload_min_hits}")
+        if queue_blocks < 1:
+            raise ValueError(f"queue_blocks must be >= 1, got {queue_blocks}")
+        if prefetch_blocks is None:
+            prefetch_blocks = kv_pool.num_blocks
+        if isinstance(prefetch_blocks, bool) or not isinstance(prefetch_blocks, int) or prefetch_blocks < 0:
+            raise ValueError(f"prefetch_blocks must be an int >= 0 (0: no prefetch), got {prefetch_blocks!r}")
+        if not tiers:
+            raise ValueError("tiers must name at least one tier; without tiers there is nothing to offload")
+        self.tiers = list(tiers)
+        self.tier_names = [t.name for t in self.tiers]
+        self.kv_pool = kv_pool
+        self.write_policy = write_policy
+        self.offload_min_hits = offload_min_hits
+        self.queue_blocks = queue_blocks
+        self.hooks = hooks  # a pluggy HookRelay (corekv_on_blocks_offloaded/loaded) or None
+        self.cached_blocks = cached_blocks
+        #: device hits (and reloads) per resident block, for ``offload_min_hits``; in the order
+        #: last counted (see the class docstring for its bound)
+        self.hit_counts: dict[BlockHash, int] = {}
+        self.max_hit_counts = kv_pool.num_blocks
+        #: hashes cached by requests that opted out of offload; dropped when evicted
+        self.opted_out: set[BlockHash] = set()
+        #: per tier: "<name>.reloaded", ".prefetched", ".offloaded", ".offload_skips", ".swapped_*"
+        self.counters = Counter()
+        self.reloader = Reloader(self.tiers, kv_pool, self.counters, self._loaded)
+        self._writer: OffloadWriter | None = OffloadWriter(self.counters, queue_blocks=queue_blocks, hooks=hooks)
+        self.prefetcher = Prefetcher(self.reloader.stage, max_blocks=prefetch_blocks) if prefetch_blocks else None
+        self.swap = (Swap(self.tiers[swap_tier], kv_pool, self.counters, self.reloader.load_into)
+                     if swap_tier is not None else None)
+        #: waiting requests' prefetches, until their admission (:meth:`load`) or :meth:`left`
+        self.prefetches: dict[Hashable, Prefetch] = {}
+
+    # -- a request's blocks ------------------------------------------------------------------
+    def arrived(self, request: Hashable, key: PrefixKey, num_device_blocks: int, max_blocks: int) -> None:
+        """``request`` arrived: start fetching blocks ``num_device_blocks .. max_blocks - 1`` of
+        ``key`` (its device match now, up to what it may reuse) into host staging."""
+        if self.prefetcher is None or num_device_blocks >= max_blocks or request in self.prefetches:
+            return
+        prefetch = self.prefetcher.start(key, num_device_blocks, max_blocks)
+        if prefetch is not None:
+            self.prefetches[request] = prefetch
+
+    def load(self, request: Hashable, key: PrefixKey, num_device_blocks: int, max_blocks: int,
+             block_ids: Sequence[int]) -> dict[str, int]:
+        """Admission of ``request``: its first ``num_device_blocks`` blocks hit on the device
+        (counted for ``offload_min_hits``); load blocks ``num_device_blocks .. max_blocks - 1``
+        of ``key`` into ``block_ids`` (one per block, in order) as far as the tiers hold them,
+        from its prefetch's staging first.
+
+        :returns: ``{tier name: blocks loaded}`` for the leading blocks that loaded.
+        """
+        if num_device_blocks:
+            self._count_hits(key.block_hashes[:num_device_blocks])
+        prefetch = self.prefetches.pop(request, None)
+        return self.reloader.load_prefix(key, num_device_blocks, max_blocks, block_ids,
+                                         self.prefetcher, prefetch)
+
+    def left(self, request: Hashable, parked: Parked | None = None) -> None:
+        """``request`` left before admission: drop its prefetch (counted) and its parked entry."""
+        prefetch = self.prefetches.pop(request, None)
+        if prefetch is not None:
+            self.prefetcher.drop(prefetch)
+        if parked is not None and self.swap is not None:
+            self.swap.forget(parked)
+
+    def cached(self, key: PrefixKey, block_ids: Sequence[int], start: int, *, offload: bool = True) -> None:
+        """``key``'s blocks ``start ..`` became cached in ``block_ids[start:]`` (write-through).
+
+        :param offload: False for a request that opted out: its blocks are kept off the tiers
+            (now, and at write-back, until they leave the device).
+        """
+        if start >= len(block_ids):
+            return
+        hashes = key.block_hashes[start:len(block_ids)]
+        if not offload:
+            self.opted_out.update(hashes)
+        elif self.write_policy == "write_through":
+            self._offload(list(hashes), list(block_ids[start:]))
+
+    def evicted(self, evicted: list[EvictedBlock]) -> None:
+        """Backend callback: ``evicted`` blocks' slots are about to be reused (write-back)."""
+        kept = [e for e in evicted if e.block_hash not in self.opted_out]
+        if self.opted_out:
+            self.opted_out.difference_update(e.block_hash for e in evicted)
+        if self.write_policy == "write_back" and kept:
+            self._offload([e.block_hash for e in kept], [e.block_id for e in kept])
+        if self.hit_counts:
+            for e in evicted:
+                self.hit_counts.pop(e.block_hash, None)
+
+    # -- swap preemption ---------------------------------------------------------------------
+    @property
+    def can_swap(self) -> bool:
+        return self.swap is not None
+
+    def park(self, owner: str, key: PrefixKey, block_table: Sequence[int], num_computed: int) -> Parked:
+        """A preempted sequence's computed blocks, written to the swap tier now (see :class:`Swap`)."""
+        return self.swap.park(owner, key, block_table, num_computed)
+
+    def unpark(self, parked: Parked, block_table: Sequence[int], num_full_loaded: int) -> int | None:
+        """At re-admission, after :meth:`load`: the parked partial block back into the table."""
+        return self.swap.unpark(parked, block_table, num_full_loaded)
+
+    # -- lifetime and views ------------------------------------------------------------------
+    def flush(self, hashes_and_ids: Sequence[tuple[BlockHash, int]] = (), *,
+              tiers: Sequence[Tier] | None = None) -> None:
+        """Offload the given cached blocks to ``tiers`` (default: all) and wait for every queued
+        write. Forced: no ``offload_min_hits`` filter, and the queue bound is kept by writing in
+        batches of ``queue_blocks``."""
+        targets = self.tiers if tiers is None else list(tiers)
+        items = [(h, b) for h, b in hashes_and_ids if h not in self.opted_out]
+        if items and targets and self._writer is not None:
+            for i in range(0, len(items), self.queue_blocks):
+                batch = items[i:i + self.queue_blocks]
+                self._enqueue([h for h, _ in batch], [b for _, b in batch], tiers=targets)
+                self._writer.join()
+        if self._writer is not None:
+            self._writer.join()
+
+    def close(self) -> None:
+        """Write the device's cached blocks to the persistent tiers, finish queued writes, stop
+        the threads and close the tiers. Idempotent."""
+        if self._writer is None:
+            return
+        try:
+            persistent = [t for t in self.tiers if t.is_persistent]
+            self.flush(self.cached_blocks() if persistent and self.cached_blocks else (), tiers=persistent)
+        finally:
+            if self.prefetcher is not None:
+                self.prefetcher.close()
+            self._writer.close()
+            self._writer = None
+            for tier in self.tiers:
+                _safe(tier.close, None, tier, "close")
+
+    @property
+    def num_queued_blocks(self) -> int:
+        """Blocks waiting for the background tier writer (0 once :meth:`flush` returns)."""
+        return self._writer.num_queued_blocks if self._writer is not None else 0
+
+    def prefetch_stats(self) -> dict[str, float]:
+        """Prefetch counters (see :class:`corekv.offload.prefetch.Prefetcher`); empty without prefetch."""
+        return self.prefetcher.stats() if self.prefetcher is not None else {}
+
+    def stats(self) -> dict[str, dict[str, int]]:
+        """Per tier: the tier's own counters plus blocks reloaded, prefetched, offloaded, swapped."""
+        out = {}
+        for tier in self.tiers:
+            entry = dict(_safe(tier.stats, {}, tier, "stats"))
+            for name, counter in (("reloaded_blocks", "reloaded"), ("prefetched_blocks", "prefetched"),
+                                  ("offloaded_blocks", "offloaded"), ("offload_skips", "offload_skips"),
+                                  ("swapped_out_blocks", "swapped_out"), ("swapped_in_blocks", "swapped_in")):
+                entry[name] = self.counters[f"{tier.name}.{counter}"]
+            # the summary names: blocks reloaded/offloaded, skipped writes (tier full or queue
+            # full), bytes moved both ways
+            entry["reloads"] = entry["reloaded_blocks"]
+            entry["offloads"] = entry["offloaded_blocks"]
+            entry["skips"] = entry.get("skips", 0) + entry["offload_skips"]
+            entry["bytes"] = entry.get("bytes_read", 0) + entry.get("bytes_written", 0)
+            for name in ("hits", "misses", "faults"):
+                entry.setdefault(name, 0)
+            out[tier.name] = entry
+        return out
+
+    # -- helpers -----------------------------------------------------------------------------
+    def _loaded(self, tier_index: int, keys: Sequence[BlockHash], snapshot: Callable[[], torch.Tensor]) -> None:
+        """The reloader put ``keys`` into the pool from tier ``tier_index``: count the hits,
+        announce them, and (write-through) promote them to the tiers above at once."""
+        self._count_hits(keys)
+        if self.hooks is not None:
+            self.hooks.corekv_on_blocks_loaded(tier=self.tiers[tier_index].name, block_hashes=list(keys))
+        if tier_index > 0 and self.write_policy == "write_through" and self._writer is not None:
+            self._writer.submit(keys, snapshot, self.tiers[:tier_index])
+
+    def _offload(self, hashes: list[BlockHash], block_ids: list[int]) -> None:
+        if self.offload_min_hits:
+            keep = [i for i, h in enumerate(hashes) if self.hit_counts.get(h, 0) >= self.offload_min_hits]
+            hashes, block_ids = [hashes[i] for i in keep], [block_ids[i] for i in keep]
+        if hashes:
+            self._enqueue(hashes, block_ids, tiers=self.tiers)
+
+    def _count_hits(self, hashes: Sequence[BlockHash]) -> None:
+        """One more hit for each of ``hashes`` (kept only for ``offload_min_hits``, within the bound)."""
+        if not self.offload_min_hits:
+            return
+        counts = self.hit_counts
+        for h in hashes:
+            counts[h] = counts.pop(h, 0) + 1  # re-inserted: the dict stays in last-counted order
+        while len(counts) > self.max_hit_counts:
+            del counts[next(iter(counts))]
+
+    def _enqueue(self, hashes: Sequence[BlockHash], block_ids: Sequence[int], tiers: list[Tier]) -> None:
+        # NOTE: the snapshot is taken now, on the caller's thread (only if the queue has room):
+        # the slot may be overwritten as soon as we return.
+        if self._writer is not None:
+            self._writer.submit(hashes, lambda: snapshot_blocks(self.kv_pool, block_ids), tiers)
