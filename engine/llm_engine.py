@@ -12,6 +12,7 @@ its whole surface reads in one place; the parts it ties together each live in th
 """
 from __future__ import annotations
 
+import functools
 import itertools
 import logging
 import os
@@ -105,7 +106,11 @@ class Engine:
         self.num_steps = 0
         self._requests: dict[str, Request] = {}
         self._request_counter = itertools.count()
-        self._namespaces: dict[str | None, bytes] = {}
+        # NOTE: a chain seed is cheap to derive but asked for on every request; a bounded cache
+        # keeps per-user salts from growing the engine's memory without bound.
+        self._namespace = functools.lru_cache(maxsize=4096)(
+            lambda cache_salt: chain_seed(m.fingerprint, self.block_size, cache_salt,
+                                          algorithm=config.cache.hash))
         self._is_closed = False
         #: outputs of requests added with add_request that finished while generate/stream/warm ran
         self._unclaimed: list[RequestOutput] = []
@@ -349,11 +354,7 @@ class Engine:
 
     def prefix_key(self, token_ids: list[int], cache_salt: str | None = None) -> PrefixKey:
         """The :class:`PrefixKey` under which this engine caches ``token_ids`` for ``cache_salt``."""
-        namespace = self._namespaces.get(cache_salt)
-        if namespace is None:
-            namespace = self._namespaces[cache_salt] = chain_seed(
-                self.model.fingerprint, self.block_size, cache_salt, algorithm=self.config.cache.hash)
-        return PrefixKey(token_ids, self.block_size, namespace, self.config.cache.hash,
+        return PrefixKey(token_ids, self.block_size, self._namespace(cache_salt), self.config.cache.hash,
                          cache_salt=cache_salt)
 
     def encode(self, prompt: Any, *, add_generation_prompt: bool = True) -> list[int]:

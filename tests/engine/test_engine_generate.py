@@ -185,6 +185,17 @@ def test_cache_salts_keep_tenants_apart(tiny_llama):
     assert other.token_ids == same.token_ids
 
 
+def test_per_user_salts_do_not_grow_the_engine_without_bound(tiny_llama):
+    """A salt per user is a normal deployment: the engine keeps a bounded cache of chain seeds,
+    and a salt that fell out of it still gets the same seed (the same keys) when it returns."""
+    with make_engine(tiny_llama) as engine:
+        first = engine.prefix_key([1, 2, 3] * 6, "user-0").block_hashes
+        for i in range(5000):
+            engine.prefix_key([1, 2, 3] * 6, f"user-{i}")
+        assert engine._namespace.cache_info().currsize <= 4096
+        assert engine.prefix_key([1, 2, 3] * 6, "user-0").block_hashes == first
+
+
 def test_stats_count_steps_tokens_and_reuse(tiny_llama):
     prompt = list(range(3, 40))  # 37 tokens: 2 full blocks can be reused
     with make_engine(tiny_llama) as engine:
