@@ -40,7 +40,10 @@ def corekv_register_tiers() -> list[TierSpec]:
     """Register storage tiers.
 
     :returns: a list of :class:`corekv.plugin.TierSpec`, each naming a tier type
-        (``cache.tiers[i].type`` in the config), its factory and its options schema.
+        (``cache.tiers[i].type`` in the config), its factory and its options schema, and, for a
+        tier whose entries outlive the process, an ``admin`` factory (a
+        :class:`corekv.tier_admin.StoreAdmin` over the same options) through which
+        ``corekv store stats|ls|verify|clear`` lists, checks and deletes its entries.
 
     .. versionadded:: 0.1
     """
