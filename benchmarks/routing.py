@@ -214,7 +214,7 @@ def main() -> int:
         folder = Path(tmp)
         model = opts.model
         if opts.tiny:
-            from corekv.engine.models import make_tiny_llama
+            from corekv.engine.tiny_model import make_tiny_llama
 
             tiny = make_tiny_llama()
             model = str(folder / "tiny")

@@ -1,5 +1,10 @@
 """Model loading: the ``smollm2-135m-instruct`` alias, local Hugging Face folders and ``.gguf`` files.
 
+:func:`load_model` gives a :class:`LoadedModel` (checked, moved, fingerprinted);
+:func:`load_tokenizer` gives the tokenizer alone (what ``corekv route`` needs). Prompts become
+token ids in :mod:`corekv.engine.prompts`; the tiny random test model is
+:mod:`corekv.engine.tiny_model`'s.
+
 This module is also corekv's ``models`` plugin (entry point ``corekv.engine.models``): it answers
 :func:`corekv.hookspecs.corekv_resolve_model` for the default alias. Every plugin manager imports it,
 so torch and transformers are imported inside the functions, never at module level.
@@ -14,6 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from corekv.engine import prompts
 from corekv.errors import CoreKVError
 from corekv.plugin import hookimpl
 
@@ -80,47 +86,10 @@ class LoadedModel:
 
     def encode_prompt(self, prompt: str | list[int] | list[dict], *,
                       add_generation_prompt: bool = True) -> list[int]:
-        """Token ids of a prompt: see :func:`encode_prompt` (token ids checked against the vocabulary)."""
-        return encode_prompt(self.tokenizer, prompt, vocab_size=self.vocab_size,
-                             add_generation_prompt=add_generation_prompt)
-
-
-def encode_prompt(tokenizer: Any, prompt: str | list[int] | list[dict], *,
-                  vocab_size: int | None = None, add_generation_prompt: bool = True) -> list[int]:
-    """Token ids of a prompt: a string, token ids as is, or chat messages (``[{"role", "content"}]``,
-    rendered with the tokenizer's chat template and, unless ``add_generation_prompt`` is false
-    (a prefix such as a system prompt to warm), the assistant generation prompt).
-
-    The engine (through :meth:`LoadedModel.encode_prompt`) and ``corekv route`` (which loads only
-    the tokenizer, :func:`load_tokenizer`) both call this, so a router's token ids are the engine's.
-
-    :param vocab_size: token ids must lie in ``[0, vocab_size)``; ``None`` skips that check.
-    """
-    if isinstance(prompt, str):
-        ids = list(tokenizer(prompt)["input_ids"])
-        if not ids:
-            raise CoreKVError(f"prompt {prompt!r} encodes to no tokens; pass a non-empty prompt")
-        return ids
-    if isinstance(prompt, (list, tuple)) and prompt and all(isinstance(m, dict) for m in prompt):
-        if any(not {"role", "content"} <= set(m) for m in prompt):
-            raise CoreKVError(f"chat messages need 'role' and 'content' keys, got {list(prompt)!r}")
-        if getattr(tokenizer, "chat_template", None) is None:
-            raise CoreKVError("this model's tokenizer has no chat template; pass a string prompt instead")
-        ids = tokenizer.apply_chat_template(list(prompt), add_generation_prompt=add_generation_prompt,
-                                            tokenize=True)
-        ids = ids["input_ids"] if hasattr(ids, "keys") else ids
-        return [int(t) for t in ids]
-    if isinstance(prompt, (list, tuple)) and prompt and all(
-            isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-        bad = [t for t in prompt if t < 0 or (vocab_size is not None and t >= vocab_size)]
-        if bad:
-            limit = "" if vocab_size is None else f" [0, {vocab_size})"
-            raise CoreKVError(f"prompt token ids {bad[:5]} are outside the vocabulary{limit}")
-        return list(prompt)
-    raise CoreKVError(
-        f"prompt must be a non-empty str, list of token ids, or list of chat messages "
-        f"({{'role', 'content'}} dicts), got {type(prompt).__name__}: {str(prompt)[:80]!r}"
-    )
+        """Token ids of a prompt: see :func:`corekv.engine.prompts.encode_prompt` (token ids
+        checked against the vocabulary)."""
+        return prompts.encode_prompt(self.tokenizer, prompt, vocab_size=self.vocab_size,
+                                     add_generation_prompt=add_generation_prompt)
 
 
 def resolve_device(device: str) -> torch.device:
@@ -233,7 +202,8 @@ def reference_attention(loaded: LoadedModel, implementation: str = "sdpa"):
 
 
 def prepare_model(hf_model: Any, tokenizer: Any, *, device: Any) -> LoadedModel:
-    """Check, move and wrap an already built HF causal LM (used by :func:`load_model` and tests)."""
+    """Check, move and wrap an already built HF causal LM (used by :func:`load_model`, by
+    :func:`corekv.engine.tiny_model.make_tiny_llama` and by tests)."""
     from corekv.engine.attention import ATTENTION_NAME  # importing it registers the attention function
     from corekv.engine.cpu.linears import prepare_linear_weights
 
@@ -319,53 +289,3 @@ def _resolve_path(model: str, plugin_manager: Any) -> Path:
         f"model {model!r} is neither a known alias ({DEFAULT_MODEL!r}), an existing folder, nor a .gguf file; "
         "fix the model: field or download the model first"
     )
-
-
-_TINY_CHAT_TEMPLATE = (
-    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
-    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-)
-
-
-def make_byte_tokenizer() -> Any:
-    """A byte-level tokenizer (3 special tokens + 256 bytes, no merges) with a ChatML template:
-    every string round-trips, and nothing is downloaded or parsed from a model file."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-    vocab = {token: i for i, token in enumerate(specials)}
-    for symbol in sorted(pre_tokenizers.ByteLevel.alphabet()):
-        vocab[symbol] = len(vocab)
-    backend = Tokenizer(models.BPE(vocab=vocab, merges=[]))
-    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    backend.decoder = decoders.ByteLevel()
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<|endoftext|>",
-                                        pad_token="<|endoftext|>", bos_token="<|im_start|>", eos_token="<|im_end|>")
-    tokenizer.chat_template = _TINY_CHAT_TEMPLATE
-    return tokenizer
-
-
-def make_tiny_llama(
-    *, num_layers: int = 2, hidden_size: int = 64, num_heads: int = 4, num_kv_heads: int = 2,
-    vocab_size: int = 320, seed: int = 0, dtype: str = "float32", device: str = "cpu",
-) -> LoadedModel:
-    """A tiny randomly initialised Llama (seeded, so reproducible) with the byte tokenizer, for fast tests."""
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    tokenizer = make_byte_tokenizer()
-    if vocab_size < len(tokenizer):
-        raise CoreKVError(f"make_tiny_llama: vocab_size must be >= {len(tokenizer)} (the byte tokenizer), got {vocab_size}")
-    config = LlamaConfig(
-        vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=2 * hidden_size,
-        num_hidden_layers=num_layers, num_attention_heads=num_heads, num_key_value_heads=num_kv_heads,
-        max_position_embeddings=4096, bos_token_id=1, eos_token_id=2, pad_token_id=0,
-    )
-    generator_state = torch.random.get_rng_state()
-    torch.manual_seed(seed)
-    try:
-        hf_model = LlamaForCausalLM(config).to(resolve_dtype(dtype))
-    finally:
-        torch.random.set_rng_state(generator_state)
-    return prepare_model(hf_model, tokenizer, device=resolve_device(device))

@@ -13,7 +13,7 @@ from redis_server import redis_server  # noqa: E402,F401  (fixture)
 @pytest.fixture(scope="session")
 def tiny_model_folder(tmp_path_factory):
     """A tiny random Llama and its byte tokenizer, saved as a Hugging Face model folder."""
-    from corekv.engine.models import make_tiny_llama
+    from corekv.engine.tiny_model import make_tiny_llama
 
     folder = tmp_path_factory.mktemp("tiny-llama")
     tiny = make_tiny_llama()

@@ -76,7 +76,7 @@ def test_pinned_config_starts_an_engine_that_pins_its_prefixes(tmp_path):
     import dataclasses
 
     from corekv.config import TierConfig
-    from corekv.engine.models import make_tiny_llama
+    from corekv.engine.tiny_model import make_tiny_llama
 
     cfg = load("pinned")
     tiers = tuple(TierConfig(t.type, t.name, {**t.options, "path": str(tmp_path / "kvstore")})

@@ -550,7 +550,7 @@ def test_off_by_default_the_plugin_publishes_nothing_and_imports_no_zmq():
     code = (
         "import sys\n"
         "from corekv.engine.llm_engine import Engine\n"
-        "from corekv.engine.models import make_tiny_llama\n"
+        "from corekv.engine.tiny_model import make_tiny_llama\n"
         "from corekv.plugins.kv_events import publisher_for\n"
         "engine = Engine.from_config({'model': 'tiny', 'engine': {'num_blocks': 8}}, model=make_tiny_llama())\n"
         "engine.generate([list(range(3, 40))])\n"

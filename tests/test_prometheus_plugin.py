@@ -17,7 +17,7 @@ prometheus_client = pytest.importorskip("prometheus_client")
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 
 from corekv.engine.llm_engine import Engine  # noqa: E402
-from corekv.engine.models import make_tiny_llama  # noqa: E402
+from corekv.engine.tiny_model import make_tiny_llama  # noqa: E402
 from corekv.engine.sampling import SamplingParams  # noqa: E402
 from corekv.plugin import make_plugin_manager  # noqa: E402
 from corekv.plugins import prometheus  # noqa: E402

@@ -1,7 +1,7 @@
 """The router's HTTP side: an ASGI app that forwards OpenAI requests to the chosen worker.
 
 ``POST /v1/completions`` and ``POST /v1/chat/completions`` are tokenized as the engine does
-(:func:`corekv.engine.models.encode_prompt`), routed by the policy, and forwarded byte for byte;
+(:func:`corekv.engine.prompts.encode_prompt`), routed by the policy, and forwarded byte for byte;
 an SSE stream is relayed as it comes. ``GET /v1/models`` goes to any healthy worker. ``GET /health``
 is 200 while any worker is healthy; ``GET /workers`` shows each worker's state.
 
@@ -277,7 +277,7 @@ def prompt_token_ids(tokenizer: Any, payload: Any, *, chat: bool,
     ``([], salt)`` when the body is not a valid request, or its prompt has more characters than
     ``max_prompt_chars`` (the most any worker announces on ``/admin/info``: none could take it):
     the router then routes by load alone and the worker answers with the error."""
-    from corekv.engine.models import encode_prompt
+    from corekv.engine.prompts import encode_prompt
     from corekv.server.protocol import parse_messages
 
     if not isinstance(payload, dict):

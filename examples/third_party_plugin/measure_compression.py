@@ -17,7 +17,8 @@ import numpy as np
 import torch
 
 import corekv
-from corekv.engine.models import load_model, make_tiny_llama
+from corekv.engine.models import load_model
+from corekv.engine.tiny_model import make_tiny_llama
 from corekv_example_plugins.compressed_host import CompressedHostTier
 
 TOPICS = ["how a hash table handles collisions", "the causes of the French Revolution",

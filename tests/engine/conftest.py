@@ -18,7 +18,7 @@ def smollm2():
 
 @pytest.fixture(scope="session")
 def tiny_llama():
-    from corekv.engine.models import make_tiny_llama
+    from corekv.engine.tiny_model import make_tiny_llama
 
     return make_tiny_llama()
 

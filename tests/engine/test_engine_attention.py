@@ -341,7 +341,7 @@ def test_decodes_in_two_prefix_groups_and_a_loner_match_hf(tiny_llama, hf_attent
 def test_bfloat16_runner_tracks_hf_bfloat16(hf_attention, native):
     """bfloat16 end to end (pool, masks, cascade merge): same greedy argmax as HF's own bf16 forward
     and logits within bf16 rounding."""
-    from corekv.engine.models import make_tiny_llama
+    from corekv.engine.tiny_model import make_tiny_llama
 
     loaded = make_tiny_llama(dtype="bfloat16")
     shared = random_ids(70, 32)
@@ -361,7 +361,8 @@ def test_sliding_window_layers_are_refused_at_run_time_too():
     loading), the attention function refuses to run rather than attend over the whole context."""
     from transformers import MistralConfig, MistralForCausalLM
 
-    from corekv.engine.models import make_byte_tokenizer, prepare_model
+    from corekv.engine.models import prepare_model
+    from corekv.engine.tiny_model import make_byte_tokenizer
 
     config = MistralConfig(vocab_size=320, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                            num_attention_heads=2, num_key_value_heads=1, sliding_window=None)

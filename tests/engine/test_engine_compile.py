@@ -46,7 +46,7 @@ def test_models_of_one_class_compiled_in_one_process_each_get_their_own_graph(ti
     (float32 weights are stored transposed): each engine must run a graph built for its own model,
     so dynamo must keep guarding on the modules (skipping those guards ran the float32 graph on the
     bfloat16 model, found by the W1/W2 benchmark)."""
-    from corekv.engine.models import make_tiny_llama
+    from corekv.engine.tiny_model import make_tiny_llama
 
     prompts = [[7, 8, 9, 10] * 5, [40, 41, 42]]
     for loaded in (tiny_llama, make_tiny_llama(dtype="bfloat16")):
@@ -66,7 +66,7 @@ def start_compiled_tiny_engine(env: dict, prelude: str = "") -> subprocess.Compl
         prelude
         + "from corekv.config import Config, EngineConfig\n"
         "from corekv.engine.llm_engine import Engine\n"
-        "from corekv.engine.models import make_tiny_llama\n"
+        "from corekv.engine.tiny_model import make_tiny_llama\n"
         "from corekv.errors import ConfigError\n"
         "try:\n"
         "    Engine(Config(model='tiny', engine=EngineConfig(num_blocks=16, compile=True)), model=make_tiny_llama())\n"

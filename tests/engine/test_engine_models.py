@@ -12,7 +12,8 @@ import torch
 from corekv.errors import CoreKVError
 from corekv.engine import models
 from corekv.engine.cpu.linears import BF16_UPCAST_MIN_ROWS, prepare_linear_weights
-from corekv.engine.models import check_architecture, load_model, make_tiny_llama
+from corekv.engine.models import check_architecture, load_model
+from corekv.engine.tiny_model import make_byte_tokenizer, make_tiny_llama
 
 
 def save_folder(loaded_or_model, folder: Path, tokenizer=None) -> Path:
@@ -91,7 +92,7 @@ def test_bfloat16_load_has_its_own_fingerprint(tiny_llama, tmp_path):
 
 def test_fingerprint_depends_on_weights_and_is_stable_across_processes(tiny_llama):
     assert make_tiny_llama(seed=1).fingerprint != tiny_llama.fingerprint
-    code = "from corekv.engine.models import make_tiny_llama; print(make_tiny_llama().fingerprint)"
+    code = "from corekv.engine.tiny_model import make_tiny_llama; print(make_tiny_llama().fingerprint)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == tiny_llama.fingerprint
 
@@ -150,7 +151,7 @@ def test_sliding_window_model_is_refused(tmp_path):
 
     config = MistralConfig(vocab_size=320, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                            num_attention_heads=2, num_key_value_heads=1, sliding_window=64)
-    folder = save_folder(MistralForCausalLM(config), tmp_path / "mistral", models.make_byte_tokenizer())
+    folder = save_folder(MistralForCausalLM(config), tmp_path / "mistral", make_byte_tokenizer())
     with pytest.raises(CoreKVError, match="sliding-window"):
         load_model(str(folder))
 
@@ -159,7 +160,7 @@ def test_model_without_attention_interface_is_refused(tmp_path):
     from transformers import BloomConfig, BloomForCausalLM
 
     config = BloomConfig(vocab_size=320, hidden_size=32, n_layer=1, n_head=2)
-    folder = save_folder(BloomForCausalLM(config), tmp_path / "bloom", models.make_byte_tokenizer())
+    folder = save_folder(BloomForCausalLM(config), tmp_path / "bloom", make_byte_tokenizer())
     with pytest.raises(CoreKVError, match="AttentionInterface"):
         load_model(str(folder))
 

@@ -165,7 +165,7 @@ def test_runner_takes_the_native_path_only_where_the_kernel_serves(tiny_llama):
     """By default with compile on a float32/bfloat16 CPU pool; asking for it elsewhere is an error
     naming the fix, not a failure at the first decode."""
     from corekv.engine.model_runner import ModelRunner
-    from corekv.engine.models import make_tiny_llama
+    from corekv.engine.tiny_model import make_tiny_llama
     from corekv.errors import CoreKVError
 
     def pool(loaded):
@@ -261,8 +261,8 @@ def test_native_linears_serve_only_a_native_runners_decode_sized_steps(dtype, mo
     from corekv.engine.cpu import linears, native as native_kernels
     from corekv.engine.attention import forward_context
     from corekv.engine.model_runner import ModelRunner
-    from corekv.engine.models import make_tiny_llama
     from corekv.engine.step_metadata import AttentionMetadata
+    from corekv.engine.tiny_model import make_tiny_llama
 
     loaded = make_tiny_llama(dtype=dtype)  # its own model: wiring changes the modules' forward
     pool = KVPool(loaded.num_layers, 8, 16, loaded.num_kv_heads, loaded.head_dim, loaded.dtype, "cpu")

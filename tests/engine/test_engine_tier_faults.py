@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import lmdb
 
-from corekv.engine.models import make_tiny_llama
+from corekv.engine.tiny_model import make_tiny_llama
 from tier_helpers import FILLERS, GREEDY, PROMPT, evict, make_engine, tier_config
 
 PROMPTS = [PROMPT, FILLERS[0]]

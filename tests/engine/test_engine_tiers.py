@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from corekv.engine.models import make_tiny_llama
+from corekv.engine.tiny_model import make_tiny_llama
 from corekv.errors import ConfigError
 from tier_helpers import (BLOCK, GREEDY, KINDS, PROMPT, LogitsProbe, evict, make_config, make_engine,
                           tier_config)

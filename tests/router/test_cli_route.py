@@ -119,7 +119,8 @@ def test_the_route_command_takes_its_keys_from_flags_and_the_environment(keyed_w
 
 
 def test_load_tokenizer_encodes_like_the_engine(tiny_model_folder):
-    from corekv.engine.models import encode_prompt, load_model, load_tokenizer
+    from corekv.engine.models import load_model, load_tokenizer
+    from corekv.engine.prompts import encode_prompt
 
     loaded = load_model(str(tiny_model_folder), device="cpu")
     tokenizer = load_tokenizer(str(tiny_model_folder))
