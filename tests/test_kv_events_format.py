@@ -1,4 +1,4 @@
-"""The KV event wire format (``corekv.kv_events``): vLLM's msgspec layout, read back with plain msgpack.
+"""The KV event wire format (``corekv.kv_event_wire``): vLLM's msgspec layout, read back with plain msgpack.
 
 vLLM encodes its event structs with ``array_like=True, omit_defaults=True, tag=True``: a batch is
 ``[ts, [event, ...]]`` (the data-parallel rank appended only when set) and an event is an array
@@ -12,7 +12,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from corekv.kv_events import (
+from corekv.kv_event_wire import (
     AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch, KVEventDecodeError, cache_salt_key,
     decode_batch, encode_batch,
 )
@@ -152,29 +152,3 @@ def test_events_check_their_arguments():
         encode_batch([1.0, []])
     with pytest.raises(TypeError, match="expected bytes"):
         decode_batch("text")
-
-
-@pytest.mark.parametrize("kwargs, error, message", [
-    ({"endpoint": "localhost:5557"}, ValueError, r"endpoint=\.\.\.\) got 'localhost:5557'; expected a ZMQ address"),
-    ({"replay_endpoint": 5558}, ValueError, r"replay_endpoint=\.\.\.\) got 5558"),
-    ({"topic": b"kv"}, TypeError, r"topic=\.\.\.\) got b'kv'; expected a str"),
-    ({"on_batch": None}, TypeError, r"on_batch=\.\.\.\) got None; expected a function"),
-    ({"on_gap": "log"}, TypeError, r"on_gap=\.\.\.\) got 'log'"),
-    ({"start_seq": -1}, ValueError, r"start_seq=\.\.\.\) got -1; expected an int >= 0 or None"),
-    ({"replay_timeout_s": 0}, ValueError, r"replay_timeout_s=\.\.\.\) got 0; expected a number of seconds > 0"),
-])
-def test_the_subscriber_checks_its_arguments(kwargs, error, message):
-    from corekv.kv_events import KVEventSubscriber
-
-    args = {"endpoint": "tcp://127.0.0.1:5557", "on_batch": lambda seq, batch: None, **kwargs}
-    with pytest.raises(error, match=message):
-        KVEventSubscriber(args.pop("endpoint"), **args)
-
-
-def test_a_subscriber_starts_once():
-    pytest.importorskip("zmq")
-    from corekv.kv_events import KVEventSubscriber
-
-    with KVEventSubscriber("tcp://127.0.0.1:1", on_batch=lambda seq, batch: None) as subscriber:
-        with pytest.raises(RuntimeError, match="already started; make a new one"):
-            subscriber.start()

@@ -29,8 +29,9 @@ from corekv.config import load_config  # noqa: E402
 from corekv.engine.llm_engine import Engine  # noqa: E402
 from corekv.engine.sampling import SamplingParams  # noqa: E402
 from corekv.errors import ConfigError  # noqa: E402
-from corekv.kv_events import KVEventSubscriber, cache_salt_key, decode_batch  # noqa: E402
-from corekv.plugins.kv_events import KVEventPublisher, publisher_for  # noqa: E402
+from corekv.kv_event_subscriber import KVEventSubscriber  # noqa: E402
+from corekv.kv_event_wire import cache_salt_key, decode_batch  # noqa: E402
+from corekv.plugins.kv_event_publisher import KVEventPublisher, publisher_for  # noqa: E402
 from corekv.router.workers import Worker  # noqa: E402
 
 BS = 16
@@ -551,7 +552,7 @@ def test_off_by_default_the_plugin_publishes_nothing_and_imports_no_zmq():
         "import sys\n"
         "from corekv.engine.llm_engine import Engine\n"
         "from corekv.engine.tiny_model import make_tiny_llama\n"
-        "from corekv.plugins.kv_events import publisher_for\n"
+        "from corekv.plugins.kv_event_publisher import publisher_for\n"
         "engine = Engine.from_config({'model': 'tiny', 'engine': {'num_blocks': 8}}, model=make_tiny_llama())\n"
         "engine.generate([list(range(3, 40))])\n"
         "assert engine.config.kv_events.enabled is False\n"

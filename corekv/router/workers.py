@@ -8,7 +8,7 @@ restarted with an empty cache.
 
 Tenants stay apart in both views: the routed view is namespaced by the request's ``cache_salt``,
 the events view by the tenant key a salted chain's first block carries in its ``extra_keys``
-(:func:`corekv.kv_events.cache_salt_key`), which the router computes from the request's salt.
+(:func:`corekv.kv_event_wire.cache_salt_key`), which the router computes from the request's salt.
 """
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ from collections.abc import Hashable, Sequence
 from typing import Any
 from urllib.parse import urlsplit
 
-from corekv.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, cache_salt_key
+from corekv.kv_event_wire import AllBlocksCleared, BlockRemoved, BlockStored, cache_salt_key
 from corekv.router.tree import BlockTree
 
 logger = logging.getLogger(__name__)
@@ -161,7 +161,7 @@ class Worker:
         if not spec or self.subscriber is not None:
             return
         try:
-            from corekv.kv_events import KVEventSubscriber
+            from corekv.kv_event_subscriber import KVEventSubscriber
 
             endpoint, replay = self._reachable(spec["endpoint"]), spec.get("replay_endpoint")
             replay = self._reachable(replay) if replay else None

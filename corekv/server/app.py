@@ -161,7 +161,7 @@ def kv_events_info(engine: Any) -> dict[str, Any] | None:
         return None
     endpoint, replay = section.endpoint, getattr(section, "replay_endpoint", None)
     try:
-        from corekv.plugins.kv_events import publisher_for
+        from corekv.plugins.kv_event_publisher import publisher_for
 
         publisher = publisher_for(engine)
     except ImportError:

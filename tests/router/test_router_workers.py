@@ -1,10 +1,10 @@
-"""Worker: how KV event batches (corekv.kv_events' real classes) and routed requests change the
+"""Worker: how KV event batches (corekv.kv_event_wire's real classes) and routed requests change the
 router's view of one worker, without a network."""
 from __future__ import annotations
 
 import asyncio
 
-from corekv.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch, cache_salt_key
+from corekv.kv_event_wire import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch, cache_salt_key
 from corekv.router.tree import BlockTree
 from corekv.router.workers import Worker
 

@@ -1,10 +1,11 @@
-"""``kv_events``: publish the device cache's block events as vLLM-compatible KV events (ZMQ + msgpack).
+"""The ``kv_events`` plugin: publish the device cache's block events as vLLM-compatible KV events
+(ZMQ + msgpack).
 
 With ``kv_events: {enabled: true}`` in the config, every engine gets a :class:`KVEventPublisher`
 that turns the ``corekv_on_blocks_stored`` / ``corekv_on_blocks_removed`` hooks into
-:class:`corekv.kv_events.KVEventBatch` messages on a ZMQ PUB socket (the wire format is described
-in :mod:`corekv.kv_events`), so routers written for vLLM's KV events (llm-d, ``corekv route``)
-follow the cache::
+:class:`corekv.kv_event_wire.KVEventBatch` messages on a ZMQ PUB socket (the wire format is
+described in :mod:`corekv.kv_event_wire`), so routers written for vLLM's KV events (llm-d,
+``corekv route``) follow the cache::
 
     engine = corekv.Engine.from_config({"kv_events": {"enabled": True,
                                                       "endpoint": "tcp://127.0.0.1:5557",
@@ -16,8 +17,8 @@ Off (the default), the plugin does nothing and imports neither ``zmq`` nor ``msg
 
 What a subscriber learns: every cached and evicted block's hash, when (each batch's time), the
 blocks' token ids unless ``kv_events.include_token_ids`` is false, and for a salted chain a digest
-of its tenant's salt (:func:`corekv.kv_events.cache_salt_key`), never the salt itself. The default
-endpoint listens on loopback only, so only processes on the same machine can subscribe.
+of its tenant's salt (:func:`corekv.kv_event_wire.cache_salt_key`), never the salt itself. The
+default endpoint listens on loopback only, so only processes on the same machine can subscribe.
 """
 from __future__ import annotations
 
@@ -34,7 +35,7 @@ from corekv.plugin import ConfigSectionSpec, Option, hookimpl
 
 logger = logging.getLogger(__name__)
 
-PUBLISHER_NAME = "corekv.plugins.kv_events:publisher"
+PUBLISHER_NAME = "corekv.plugins.kv_event_publisher:publisher"
 SECTION = "kv_events"
 #: hosts whose endpoint is bound (vLLM binds only wildcards; a loopback address binds here too, so
 #: a local-only publisher needs no wildcard); any other host is connected to (a broker or proxy)
@@ -182,7 +183,7 @@ class KVEventPublisher:
 
     # -- the publisher thread -----------------------------------------------------------------
     def _run(self) -> None:
-        from corekv.kv_events import encode_batch
+        from corekv.kv_event_wire import encode_batch
 
         seq = 0
         try:
@@ -225,7 +226,7 @@ class KVEventPublisher:
             self._ctx.destroy(linger=0)
 
     def _serve_replay(self) -> None:
-        from corekv.kv_events import END_OF_REPLAY_SEQ
+        from corekv.kv_event_wire import END_OF_REPLAY_SEQ
 
         frames = self._replay.recv_multipart()
         if len(frames) != 3 or len(frames[2]) != 8:
@@ -242,7 +243,7 @@ class KVEventPublisher:
                                      b""))
 
     def _to_batch(self, ts: float, events: list) -> Any:
-        from corekv.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
+        from corekv.kv_event_wire import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
 
         wire = []
         for e in events:
@@ -263,8 +264,8 @@ class KVEventPublisher:
 
         NOTE: only a run that starts the chain carries it; a run continuing a chain belongs to
         the tenant of its parent block, which a consumer already knows. The key is a digest of
-        the salt, not the salt (see corekv.kv_events.cache_salt_key for why)."""
-        from corekv.kv_events import cache_salt_key
+        the salt, not the salt (see corekv.kv_event_wire.cache_salt_key for why)."""
+        from corekv.kv_event_wire import cache_salt_key
 
         key = cache_salt_key(event.cache_salt) if event.parent_block_hash is None else None
         if key is None:
