@@ -79,7 +79,8 @@ class BackendSpec(_Spec):
 @dataclass(frozen=True)
 class TierSpec(_Spec):
     """A storage tier: ``factory(**options, block_bytes=..., fingerprint=...)`` returns a
-    :class:`corekv.tier.Tier` (options as validated from ``cache.tiers[i]``).
+    :class:`corekv.tier.Tier` (options as validated from ``cache.tiers[i]``; the whole convention
+    is :mod:`corekv.tier_factory`'s).
 
     :param admin: for a tier whose entries outlive the process, ``admin(**options)`` returns a
         :class:`corekv.tier_admin.StoreAdmin` over its whole store (every model's entries), which

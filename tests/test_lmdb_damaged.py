@@ -21,7 +21,7 @@ from corekv.cli import main
 from corekv.errors import ConfigError
 from corekv.plugin import make_plugin_manager
 from corekv.testing.tier import block_payload, make_keys
-from corekv.tier import make_tier
+from corekv.tier_factory import make_tier
 from corekv.tiers.lmdb import LMDBTier
 from corekv.tiers.lmdb_file import check_lmdb_file
 

@@ -322,7 +322,7 @@ def guide_code_block(containing: str) -> str:
 
 
 def test_the_guides_example_tier_works(site, tmp_path):
-    from corekv.tier import make_tier
+    from corekv.tier_factory import make_tier
 
     (site / "kv_memo.py").write_text(guide_code_block("class MemoTier(Tier)"))
     cfg = load_config({"plugins": ["kv_memo"], "cache": {"tiers": [{"type": "memo", "max_entries": 2}]}}, env={})

@@ -95,7 +95,7 @@ def test_its_own_conformance_tests_pass(installed):
 def test_corekv_store_lists_verifies_and_clears_its_file_tier(installed, tmp_path, monkeypatch):
     """The file tier declares an admin view, so ``corekv store`` reads it with no code in corekv;
     the in-memory tier declares none and is skipped with a note."""
-    from corekv.tier import make_tier
+    from corekv.tier_factory import make_tier
 
     monkeypatch.delenv(AUTOLOAD_ENV, raising=False)
     spec = make_plugin_manager().tiers()["compressed_files"]
@@ -136,7 +136,7 @@ def test_corekv_store_lists_verifies_and_clears_its_file_tier(installed, tmp_pat
 def test_an_engine_runs_from_a_yaml_config_that_selects_its_backend_and_tier(
         installed, tiny_model_folder, tmp_path, monkeypatch):
     import corekv
-    from corekv.tier import make_tier
+    from corekv.tier_factory import make_tier
 
     monkeypatch.delenv(AUTOLOAD_ENV, raising=False)
     config_path = tmp_path / "cache.yaml"

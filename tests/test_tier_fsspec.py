@@ -9,7 +9,7 @@ from corekv.block_format import HEADER_SIZE
 from corekv.plugin import make_plugin_manager
 from corekv.testing.tier import TierTests, block_payload, make_keys
 from corekv.testing.tier_admin import StoreAdminTests
-from corekv.tier import make_tier
+from corekv.tier_factory import make_tier
 from corekv.tiers.fsspec import FsspecAdmin, FsspecTier
 
 FINGERPRINT = TierTests.fingerprint

@@ -5,7 +5,7 @@ import torch
 from corekv.block_format import HEADER_SIZE
 from corekv.plugin import make_plugin_manager
 from corekv.testing.tier import TierTests, block_payload, make_keys
-from corekv.tier import make_tier
+from corekv.tier_factory import make_tier
 from corekv.tiers.host import HostTier
 
 

@@ -11,7 +11,7 @@ from corekv.errors import CoreKVError
 from corekv.plugin import make_plugin_manager
 from corekv.testing.tier import TierTests, block_payload, make_keys
 from corekv.testing.tier_admin import StoreAdminTests
-from corekv.tier import make_tier
+from corekv.tier_factory import make_tier
 from corekv.tiers.redis import RedisAdmin, RedisTier
 from redis_server import RedisServer, redis_server  # noqa: F401 (fixture)
 

@@ -11,7 +11,7 @@ import logging
 from corekv.config import CacheConfig
 from corekv.errors import ConfigError, PluginError
 from corekv.offload.facade import Offload
-from corekv.tier import make_tier
+from corekv.tier_factory import make_tier
 
 __all__ = ["make_offload", "fingerprint_bytes"]
 logger = logging.getLogger(__name__)

@@ -5,7 +5,7 @@ import pytest
 from corekv.plugin import make_plugin_manager
 from corekv.testing import TierTests
 from corekv.testing.tier import make_keys
-from corekv.tier import make_tier
+from corekv.tier_factory import make_tier
 from corekv_example_plugins.compressed_host import CompressedHostTier, shuffle_bytes, unshuffle_bytes
 
 FINGERPRINT = b"example-plugin-model"
