@@ -139,7 +139,7 @@ def corekv_on_blocks_removed(events: list[BlockEvent]) -> None:
 def corekv_on_blocks_offloaded(tier: str, block_hashes: list[bytes]) -> None:
     """Blocks were written to a storage tier.
 
-    Called from the cache manager's background writer thread, not the step's thread: an
+    Called from the offload writer's background thread, not the step's thread: an
     implementation that shares state with other hooks must be thread-safe.
 
     :param tier: the tier's name (its ``type``, or ``name`` when the config sets one).

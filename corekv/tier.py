@@ -5,7 +5,7 @@ A tier is a small zarr-like store. Subclasses implement four batch primitives on
 ``_contains_entries``, ``_delete_entries``, and the usage properties. The public methods here add
 what every tier must do the same way: argument checks, encoding on ``put``, validation on ``get``
 (a bad entry is a miss, counted as a fault, logged once per reason, and deleted), statistics, and
-the closed check. The cache manager calls only the public methods.
+the closed check. The offload code (:mod:`corekv.offload`) calls only the public methods.
 
 A tier object serves one model. A persistent tier's plugin also gives an admin view of its whole
 store, every model's entries, for ``corekv store`` (:mod:`corekv.tier_admin`). A tier is built from
@@ -72,7 +72,7 @@ class Tier(ABC):
     read under any key but the one it was written for (the tag covers the key); a failed
     entry is gone after the ``get`` that found it; ``put`` and ``get`` never raise because the
     store is full, down or corrupt (they skip or miss and count it). Public methods take one lock,
-    so the cache manager may offload from a background thread while the step thread loads.
+    so the offload writer may store from a background thread while the step thread loads.
 
     Capabilities (class attributes): ``is_persistent`` (outlives the process), ``is_shared``
     (other processes or machines see the same entries), ``supports_ttl``, ``supports_listing``
