@@ -53,7 +53,11 @@ class Engine:
     request added is eventually returned by ``step`` exactly once (finished or aborted).
     """
 
-    def __init__(self, config: Config, *, model: LoadedModel | None = None, plugins: tuple = ()):
+    def __init__(self, config: Config, *, model: LoadedModel | None = None, plugins: tuple = (),
+                 plugin_manager: Any = None):
+        """:param plugin_manager: the manager ``config`` was checked against (as
+            :meth:`from_config` passes it); default: one made from ``config.plugins`` and ``plugins``.
+        """
         if not isinstance(config, Config):
             raise TypeError(f"Engine(config=...) got {type(config).__name__}; expected a corekv.Config "
                             "(use Engine.from_config for a mapping or a YAML path)")
@@ -62,7 +66,7 @@ class Engine:
                             "from corekv.engine.models.load_model, or None to load config.model")
         self.config = config
         ecfg = config.engine
-        self.plugin_manager = make_plugin_manager([*config.plugins, *plugins])
+        self.plugin_manager = plugin_manager or make_plugin_manager([*config.plugins, *plugins])
         self.model = model or load_model(config.model, dtype=config.dtype, device=config.device,
                                          plugin_manager=self.plugin_manager)
         m = self.model
@@ -128,10 +132,13 @@ class Engine:
             (its dtype and device then win over ``config.dtype`` / ``config.device``).
         :param plugins: extra plugin modules or objects, besides ``config.plugins``.
         """
-        if not isinstance(config, Config):
-            from corekv.config import load_config
-            config = load_config(config)
-        return cls(config, model=model, plugins=tuple(plugins))
+        if isinstance(config, Config):
+            return cls(config, model=model, plugins=tuple(plugins))
+        from corekv.config import read_config
+
+        # NOTE: one plugin manager checks the config and serves the engine
+        config, plugin_manager = read_config(config, extra_plugins=tuple(plugins))
+        return cls(config, model=model, plugin_manager=plugin_manager)
 
     # -- lifecycle ---------------------------------------------------------------------------
     def __enter__(self) -> Engine:

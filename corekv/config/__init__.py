@@ -25,7 +25,7 @@ from corekv.config.reference import config_reference
 from corekv.config.schema import (
     CacheConfig, Config, EngineConfig, IntegrityConfig, PinnedPrefix, Section, TierConfig,
 )
-from corekv.config.sources import CONFIG_ENV, ENV_PREFIX, load_config
+from corekv.config.sources import CONFIG_ENV, ENV_PREFIX, load_config, read_config
 
 __all__ = [
     "CONFIG_ENV",
@@ -41,4 +41,5 @@ __all__ = [
     "config_reference",
     "dump_config",
     "load_config",
+    "read_config",
 ]

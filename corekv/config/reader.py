@@ -31,8 +31,10 @@ class ConfigReader:
     where it came from (file or variable).
     """
 
-    def __init__(self, plugin_manager: Any, origin: str = ""):
+    def __init__(self, plugin_manager: Any, origin: str = "", *, extra_plugins: tuple = ()):
         self.plugin_manager = plugin_manager
+        #: plugins besides the config's ``plugins:`` for a manager built here (an engine's own)
+        self.extra_plugins = tuple(extra_plugins)
         self.origin = origin
         #: field path -> the environment variable that set it
         self.env_sources: dict[str, str] = {}
@@ -69,7 +71,7 @@ class ConfigReader:
             plugins = self.value(raw.get("plugins"), Config, _field(Config, "plugins"), "plugins")
             for i, module in enumerate(plugins):
                 self.check_importable(module, f"plugins[{i}]")
-            self.plugin_manager = make_plugin_manager(plugins)
+            self.plugin_manager = make_plugin_manager([*plugins, *self.extra_plugins])
         return self.plugin_manager
 
     def section_specs(self, raw: Any) -> dict[str, Any]:

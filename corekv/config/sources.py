@@ -30,14 +30,27 @@ def load_config(
     env: Mapping[str, str] | None = None,
     plugin_manager: Any = None,
 ) -> Config:
-    """Load and validate a configuration.
+    """Load and validate a configuration (see :func:`read_config` for the arguments)."""
+    return read_config(source, env=env, plugin_manager=plugin_manager)[0]
+
+
+def read_config(
+    source: str | os.PathLike | Mapping | None = None,
+    *,
+    env: Mapping[str, str] | None = None,
+    plugin_manager: Any = None,
+    extra_plugins: tuple = (),
+) -> tuple[Config, Any]:
+    """Load and validate a configuration; returns it and the plugin manager it was checked
+    against, so an engine built from it uses that one manager.
 
     :param source: a YAML file path, or the same data as a mapping; ``None`` reads the file named
         by ``COREKV_CONFIG``, or uses the defaults when it is unset.
     :param env: environment for ``COREKV_CONFIG`` and ``COREKV_<SECTION>__<KEY>`` overrides
         (values parsed as YAML scalars); default ``os.environ``. Pass ``{}`` to ignore it.
     :param plugin_manager: checks backend and tier names and options, and the plugins' config
-        sections, against its plugins; default: ``make_plugin_manager(config's plugins)``.
+        sections, against its plugins; default: ``make_plugin_manager(config's plugins +
+        extra_plugins)``.
     :raises ConfigError: naming the field path, the value received, what was expected.
     """
     if env is None:
@@ -57,10 +70,11 @@ def load_config(
     else:
         raise TypeError(f"load_config(source=...) got {source!r}; expected a YAML file path, a "
                         "mapping, or None (COREKV_CONFIG or the defaults)")
-    reader = ConfigReader(plugin_manager, origin=origin)
+    reader = ConfigReader(plugin_manager, origin=origin, extra_plugins=extra_plugins)
     raw = reader.plain(raw)
     apply_env_overrides(raw, env, reader)
-    return reader.read_config(raw)
+    config = reader.read_config(raw)
+    return config, reader.plugin_manager
 
 
 def apply_env_overrides(raw: Any, env: Mapping[str, str], reader: ConfigReader) -> None:

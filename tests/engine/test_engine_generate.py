@@ -244,6 +244,37 @@ def test_from_config_mapping_and_pool_sizing(tiny_llama):
         engine.generate("abc", GREEDY)
 
 
+class RenamedRadix:
+    """A plugin given only as ``Engine.from_config(plugins=...)``: the radix backend under
+    another name, so only a config checked against this plugin can name it."""
+
+    @staticmethod
+    def corekv_register_backends():
+        from corekv.plugin import BackendSpec
+        from corekv.plugins.radix import RadixBackend
+
+        return [BackendSpec(name="radix_again", factory=RadixBackend)]
+
+
+def test_from_config_checks_the_config_and_serves_the_engine_with_one_plugin_manager(tiny_llama, monkeypatch):
+    import corekv.config.reader
+    import corekv.engine.llm_engine
+
+    made = []
+    real = corekv.config.reader.make_plugin_manager
+
+    def counting(*args, **kwargs):  # the real manager, counted
+        made.append(real(*args, **kwargs))
+        return made[-1]
+
+    monkeypatch.setattr(corekv.config.reader, "make_plugin_manager", counting)
+    monkeypatch.setattr(corekv.engine.llm_engine, "make_plugin_manager", counting)
+    mapping = {"engine": {"num_blocks": 16}, "cache": {"backend": "radix_again"}}
+    with Engine.from_config(mapping, model=tiny_llama, plugins=[RenamedRadix]) as engine:
+        assert made == [engine.plugin_manager] and engine.backend.name == "radix"
+        assert engine.generate("abc", GREEDY)[0].finish_reason == "length"
+
+
 def test_config_errors_name_the_field(tiny_llama):
     """The config reader checks every field once; an engine built from a mapping goes through it."""
     with pytest.raises(ConfigError, match=r"cache.backend.*'radx'.*did you mean 'radix'"):
