@@ -100,3 +100,24 @@ def test_sigkill_during_write_back_leaves_a_consistent_store(model_folder, saved
         stats = engine.stats()["tiers"]["lmdb"]
     assert stats["faults"] == 0 and stats["reloads"] > 0
     assert [o.token_ids for o in outputs] == no_tier_outputs(saved_model, prompts)
+
+
+def test_a_truncated_lmdb_store_never_kills_an_engine_by_a_signal(model_folder, tmp_path):
+    """A store cut in half (a full disk, a bad copy): a new engine process starts without the
+    tier, says why naming cache.tiers[0].path, and serves; with ``required: true`` it refuses to
+    start with that message. Either way it exits by itself, never by SIGBUS."""
+    tier = tier_config("lmdb", tmp_path)
+    run_worker(model_folder, tier, [PROMPT, FILLERS[0]])
+    data = Path(tier.options["path"]) / "data.mdb"
+    os.truncate(data, data.stat().st_size // 2)
+    child = start_worker(model_folder, tier, [PROMPT])
+    out, err = child.communicate(timeout=300)
+    assert child.returncode == 0, err[-3000:]
+    assert "cache.tiers[0].path" in err and "truncated" in err
+    assert json.loads(out.splitlines()[0])["by_tier"] == {"device": 0}
+    args = {"config": config_mapping(model_folder, tier), "prompts": [PROMPT]}
+    args["config"]["cache"]["tiers"][0]["required"] = True
+    child = subprocess.run([sys.executable, WORKER, json.dumps(args)], capture_output=True, text=True,
+                           timeout=300, env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    assert child.returncode == 1, (child.returncode, child.stderr[-3000:])
+    assert "ConfigError: cache.tiers[0].path:" in child.stderr and "truncated" in child.stderr
