@@ -42,8 +42,10 @@ class StoreView:
 def open_views(cfg, tier_name: str | None = None, *,
                plugin_manager=None) -> tuple[list[StoreView], list[str]]:
     """A :class:`StoreView` per inspectable tier of ``cfg.cache.tiers`` (or just ``tier_name``),
-    and one line per tier that cannot be inspected, saying why. ``plugin_manager`` (default: one
-    built for ``cfg.plugins``) gives each tier type's ``TierSpec.admin``.
+    and one line per tier that cannot be inspected, saying why. ``plugin_manager`` gives each
+    tier type's ``TierSpec.admin``: pass the one ``cfg`` was read with
+    (:func:`corekv.config.read_config`; `corekv store` does); default: one built for
+    ``cfg.plugins``.
 
     :raises ConfigError: no tiers, an unknown ``tier_name``, or no tier that can be inspected.
     :raises FileNotFoundError, CoreKVError: a tier's store is missing or cannot be read

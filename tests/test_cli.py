@@ -202,6 +202,33 @@ def test_config_reference_is_the_markdown_reference(capsys):
     assert "| `engine.block_size` |" in out and "### Tier `lmdb`" in out
 
 
+
+def count_plugin_managers(monkeypatch) -> list:
+    """Every plugin manager built from now on (the real ones, recorded)."""
+    import corekv.config.reader
+    import corekv.plugin
+
+    made, real = [], corekv.plugin.make_plugin_manager
+
+    def counting(*args, **kwargs):
+        made.append(real(*args, **kwargs))
+        return made[-1]
+
+    monkeypatch.setattr(corekv.plugin, "make_plugin_manager", counting)
+    monkeypatch.setattr(corekv.config.reader, "make_plugin_manager", counting)
+    return made
+
+
+@pytest.mark.parametrize("reference", [False, True])
+def test_config_uses_the_plugin_manager_it_read_the_config_with(tmp_path, capsys, monkeypatch,
+                                                                reference):
+    path = tmp_path / "cache.yaml"
+    path.write_text("engine: {num_blocks: 64}\n")
+    made = count_plugin_managers(monkeypatch)
+    assert main(["config", "--config", str(path), *(["--reference"] if reference else [])]) == 0
+    assert len(made) == 1 and capsys.readouterr().out
+
+
 # -- bench -----------------------------------------------------------------------------------------
 def test_bench_hit_rate_prints_the_table(capsys):
     assert main(["bench", "hit-rate", "--workloads", "multi_turn,parallel"]) == 0

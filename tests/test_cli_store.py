@@ -62,6 +62,27 @@ def store_json(capsys, *args) -> tuple[int, object]:
     return code, json.loads(capsys.readouterr().out)
 
 
+def test_store_opens_its_views_with_the_plugin_manager_it_read_the_config_with(store, capsys,
+                                                                               monkeypatch):
+    import corekv.config.reader
+    import corekv.plugin
+    import corekv.store
+
+    made, real = [], corekv.plugin.make_plugin_manager
+
+    def counting(*args, **kwargs):
+        made.append(real(*args, **kwargs))
+        return made[-1]
+
+    for module in (corekv.plugin, corekv.config.reader, corekv.store):
+        monkeypatch.setattr(module, "make_plugin_manager", counting)
+    path, fp12, _, _ = store
+    code, rows = store_json(capsys, "stats", "--config", str(path))
+    assert code == 0 and [row["name"] for row in rows] == ["lmdb"] and len(made) == 1
+    code, result = store_json(capsys, "clear", "--config", str(path), "--yes")  # loads the model
+    assert code == 0 and result["model"] == fp12 and len(made) == 2
+
+
 def test_stats_names_the_model_layout_and_counts(store, capsys):
     path, fp12, layout, block_bytes = store
     code, rows = store_json(capsys, "stats", "--config", str(path))

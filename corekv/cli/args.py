@@ -21,9 +21,10 @@ DEFAULTS_FILE = "defaults.yaml"  # package data of corekv: the CLI's config when
 #: where --api-key is read from when the flag is not given (`corekv serve`'s key, and the key
 #: `corekv route` asks of its clients: the router speaks the workers' API)
 API_KEY_ENV = "COREKV_API_KEY"
-#: corekv.server.limits.DEFAULT_MAX_REQUEST_BYTES, spelled here so building the parser imports no
-#: server code (a test checks that the two agree); `corekv serve` and `corekv route` both take it
-DEFAULT_MAX_REQUEST_BYTES = "4MiB"
+#: --max-request-bytes' default as the flag takes it: corekv.server.limits.DEFAULT_MAX_REQUEST_BYTES
+#: (an int) spelled as a size, so building the parser imports no server code (a test checks that
+#: the two agree); `corekv serve` and `corekv route` both take it
+DEFAULT_MAX_REQUEST_SIZE = "4MiB"
 
 
 class UsageError(Exception):
@@ -44,14 +45,28 @@ def parser_kwargs(description: str, examples: str, notes: str = "") -> dict[str,
 
 
 # -- the config a command reads ------------------------------------------------------------------
-def load_config_arg(args: argparse.Namespace):
-    """The config named by ``--config``, else by ``$COREKV_CONFIG``, else the packaged defaults."""
-    from corekv.config import CONFIG_ENV, load_config
+def read_config_arg(args: argparse.Namespace):
+    """The config named by ``--config``, else by ``$COREKV_CONFIG``, else the packaged defaults,
+    and the plugin manager it was checked against (:func:`corekv.config.read_config`): a command
+    that needs plugins (tokenizer, tier admin views, the config dump) uses that one manager."""
+    from corekv.config import read_config
 
     source = getattr(args, "config", None)
-    if source is None and not os.environ.get(CONFIG_ENV):
+    if not config_named(args):
         source = defaults_path()
-    return load_config(source)
+    return read_config(source)
+
+
+def load_config_arg(args: argparse.Namespace):
+    """The config of :func:`read_config_arg`, for a command that needs no plugin manager."""
+    return read_config_arg(args)[0]
+
+
+def config_named(args: argparse.Namespace) -> bool:
+    """Whether ``--config`` or ``$COREKV_CONFIG`` names a config (else: the packaged defaults)."""
+    from corekv.config import CONFIG_ENV
+
+    return getattr(args, "config", None) is not None or bool(os.environ.get(CONFIG_ENV))
 
 
 def defaults_path() -> str:
@@ -63,11 +78,7 @@ def defaults_path() -> str:
 
 def config_plugins(args: argparse.Namespace) -> tuple[str, ...]:
     """The config's ``plugins:`` when a config is named (by --config or COREKV_CONFIG)."""
-    from corekv.config import CONFIG_ENV
-
-    if getattr(args, "config", None) is None and not os.environ.get(CONFIG_ENV):
-        return ()
-    return load_config_arg(args).plugins
+    return load_config_arg(args).plugins if config_named(args) else ()
 
 
 def api_key_arg(value: str | None, flag: str, env: str) -> str | None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from corekv.cli.args import config_plugins, load_config_arg, parser_kwargs
+from corekv.cli.args import config_named, parser_kwargs, read_config_arg
 
 
 def add_config_command(commands, common) -> None:
@@ -27,9 +27,11 @@ def cmd_config(args: argparse.Namespace) -> int:
     from corekv.plugin import make_plugin_manager
 
     if args.reference:
-        print(config_reference(make_plugin_manager(config_plugins(args))), end="")
+        # NOTE: a named config's plugins: add their options; the manager it was read with has them
+        manager = read_config_arg(args)[1] if config_named(args) else make_plugin_manager()
+        print(config_reference(manager), end="")
         return 0
-    cfg = load_config_arg(args)
-    data = dump_config(cfg, plugin_manager=make_plugin_manager(cfg.plugins))
+    cfg, manager = read_config_arg(args)
+    data = dump_config(cfg, plugin_manager=manager)
     print(yaml.safe_dump(data, sort_keys=False), end="")
     return 0

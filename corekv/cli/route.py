@@ -10,8 +10,8 @@ import argparse
 import sys
 from urllib.parse import urlsplit
 
-from corekv.cli.args import (API_KEY_ENV, DEFAULT_MAX_REQUEST_BYTES, UsageError, api_key_arg,
-                             float_at_least, fraction, int_at_least, load_config_arg, parser_kwargs,
+from corekv.cli.args import (API_KEY_ENV, DEFAULT_MAX_REQUEST_SIZE, UsageError, api_key_arg,
+                             float_at_least, fraction, int_at_least, parser_kwargs, read_config_arg,
                              port_arg, positive_seconds, size_arg)
 from corekv.router.policy import POLICY_NAMES
 
@@ -77,9 +77,9 @@ def add_route_command(commands, common) -> None:
                         f"never forwarded. Default: ${WORKER_API_KEY_ENV}, else none. Prefer the "
                         f"variables: flags show in ps")
     p.add_argument("--max-request-bytes", metavar="SIZE", type=size_arg,
-                   default=DEFAULT_MAX_REQUEST_BYTES,
+                   default=DEFAULT_MAX_REQUEST_SIZE,
                    help=f"larger request bodies are answered 413 before they are read "
-                        f"(default: {DEFAULT_MAX_REQUEST_BYTES})")
+                        f"(default: {DEFAULT_MAX_REQUEST_SIZE})")
     p.set_defaults(handler=cmd_route)
 
 
@@ -87,7 +87,6 @@ def cmd_route(args: argparse.Namespace) -> int:
     import uvicorn
 
     from corekv.engine.models import load_tokenizer
-    from corekv.plugin import make_plugin_manager
     from corekv.router.app import build_app
     from corekv.router.policy import CacheAwareConfig, make_policy
     from corekv.router.health import WorkerPool
@@ -98,8 +97,8 @@ def cmd_route(args: argparse.Namespace) -> int:
         raise UsageError(f"--workers: got {', '.join(duplicates)} more than once; name each worker once")
     api_key = api_key_arg(args.api_key, "--api-key", API_KEY_ENV)
     worker_api_key = api_key_arg(args.worker_api_key, "--worker-api-key", WORKER_API_KEY_ENV)
-    cfg = load_config_arg(args)
-    tokenizer = load_tokenizer(cfg.model, plugin_manager=make_plugin_manager(cfg.plugins))
+    cfg, plugin_manager = read_config_arg(args)
+    tokenizer = load_tokenizer(cfg.model, plugin_manager=plugin_manager)
     policy = make_policy(args.policy, CacheAwareConfig(
         cache_threshold=args.cache_threshold, balance_abs_threshold=args.balance_abs_threshold,
         balance_rel_threshold=args.balance_rel_threshold))

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import argparse
 
-from corekv.cli.args import (API_KEY_ENV, DEFAULT_MAX_REQUEST_BYTES, UsageError, api_key_arg,
+from corekv.cli.args import (API_KEY_ENV, DEFAULT_MAX_REQUEST_SIZE, UsageError, api_key_arg,
                              choice_arg, load_config_arg, non_empty, parser_kwargs, port_arg,
                              seconds_at_least_0, size_arg)
 
@@ -42,9 +42,9 @@ def add_serve_command(commands, common) -> None:
                    help=f"require 'Authorization: Bearer KEY' on every endpoint but /health (401 "
                         f"otherwise; the openai client sends its api_key so); default: "
                         f"${API_KEY_ENV}, else none. Prefer the variable: a flag shows in ps")
-    p.add_argument("--max-request-bytes", metavar="SIZE", type=size_arg, default=DEFAULT_MAX_REQUEST_BYTES,
+    p.add_argument("--max-request-bytes", metavar="SIZE", type=size_arg, default=DEFAULT_MAX_REQUEST_SIZE,
                    help=f"larger request bodies are answered 413 before they are read (e.g. 4MiB, "
-                        f"1MB, 65536; default: {DEFAULT_MAX_REQUEST_BYTES})")
+                        f"1MB, 65536; default: {DEFAULT_MAX_REQUEST_SIZE})")
     p.set_defaults(handler=cmd_serve)
 
 

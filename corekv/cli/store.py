@@ -8,8 +8,8 @@ import json
 import re
 import sys
 
-from corekv.cli.args import (EXIT_RUNTIME, Parser, UsageError, int_at_least, load_config_arg,
-                             parser_kwargs)
+from corekv.cli.args import (EXIT_RUNTIME, Parser, UsageError, int_at_least, parser_kwargs,
+                             read_config_arg)
 from corekv.cli.output import print_table
 
 
@@ -65,7 +65,7 @@ def add_store_commands(commands, common) -> None:
 def cmd_store(args: argparse.Namespace) -> int:
     from corekv import store
 
-    cfg = load_config_arg(args)
+    cfg, plugin_manager = read_config_arg(args)
     action = args.store_command
     if action == "clear":
         if args.all_models and args.model:
@@ -75,7 +75,7 @@ def cmd_store(args: argparse.Namespace) -> int:
                              "`corekv store stats` shows for a model")
         if not args.yes:
             raise UsageError("store clear deletes entries and asks no question: add --yes")
-    views, skipped = store.open_views(cfg, args.tier)
+    views, skipped = store.open_views(cfg, args.tier, plugin_manager=plugin_manager)
     for line in skipped:
         print(f"note: skipped tier {line}", file=sys.stderr)
     try:
@@ -85,7 +85,7 @@ def cmd_store(args: argparse.Namespace) -> int:
             return _store_ls(views, args.limit, args.json)
         if action == "verify":
             return _store_verify(views, args.delete_bad, args.json, cfg.cache.integrity.secret())
-        model = None if args.all_models else (args.model or _model_fp12(cfg))
+        model = None if args.all_models else (args.model or _model_fp12(cfg, plugin_manager))
         result = {view.name: store.clear(view, model) for view in views}
         if args.json:
             print(json.dumps({"model": model, "deleted": result}, indent=2))
@@ -98,15 +98,13 @@ def cmd_store(args: argparse.Namespace) -> int:
             view.close()
 
 
-def _model_fp12(cfg) -> str:
+def _model_fp12(cfg, plugin_manager) -> str:
     """The config's model id as stores key it (loads the weights: the fingerprint hashes them)."""
     from corekv.block_format import fingerprint_digest
     from corekv.engine.models import load_model
     from corekv.offload.build import fingerprint_bytes
-    from corekv.plugin import make_plugin_manager
 
-    model = load_model(cfg.model, dtype=cfg.dtype, device="cpu",
-                       plugin_manager=make_plugin_manager(cfg.plugins))
+    model = load_model(cfg.model, dtype=cfg.dtype, device="cpu", plugin_manager=plugin_manager)
     return fingerprint_digest(fingerprint_bytes(model.fingerprint)).hex()[:12]
 
 

@@ -118,6 +118,28 @@ def test_the_route_command_takes_its_keys_from_flags_and_the_environment(keyed_w
         router.wait(timeout=30)
 
 
+def test_route_loads_the_tokenizer_with_the_plugin_manager_it_read_the_config_with(
+        tiny_model_folder, tmp_path, monkeypatch, capsys):
+    import uvicorn
+
+    import corekv.config.reader
+    import corekv.plugin
+
+    made, served, real = [], [], corekv.plugin.make_plugin_manager
+
+    def counting(*args, **kwargs):
+        made.append(real(*args, **kwargs))
+        return made[-1]
+
+    monkeypatch.setattr(corekv.plugin, "make_plugin_manager", counting)
+    monkeypatch.setattr(corekv.config.reader, "make_plugin_manager", counting)
+    monkeypatch.setattr(uvicorn, "run", lambda app, **kwargs: served.append(kwargs))
+    path = tmp_path / "route.yaml"
+    path.write_text(f"model: {tiny_model_folder}\ndevice: cpu\n")
+    assert main(["route", "--config", str(path), *WORKERS]) == 0
+    assert len(made) == 1 and served and "-> 2 workers" in capsys.readouterr().err
+
+
 def test_load_tokenizer_encodes_like_the_engine(tiny_model_folder):
     from corekv.engine.models import load_model, load_tokenizer
     from corekv.engine.prompts import encode_prompt

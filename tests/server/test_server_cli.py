@@ -53,10 +53,10 @@ def test_a_bad_key_in_the_environment_exits_2_naming_the_variable(capsys, monkey
 
 
 def test_the_default_body_limit_is_the_servers():
-    from corekv.cli.args import DEFAULT_MAX_REQUEST_BYTES, size_arg
+    from corekv.cli.args import DEFAULT_MAX_REQUEST_SIZE, size_arg
     from corekv.server.limits import DEFAULT_MAX_REQUEST_BYTES as SERVER_DEFAULT
 
-    assert size_arg(DEFAULT_MAX_REQUEST_BYTES) == SERVER_DEFAULT
+    assert size_arg(DEFAULT_MAX_REQUEST_SIZE) == SERVER_DEFAULT
 
 
 def test_a_taken_port_exits_1_before_loading_the_model(capsys, lmdb_config):
