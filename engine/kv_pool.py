@@ -58,7 +58,7 @@ class KVPool:
         self.device = torch.device(device)
         self.block_shape = (num_layers, 2, block_size, num_kv_heads, head_dim)
         self.storage = torch.zeros((num_blocks, *self.block_shape), dtype=dtype, device=self.device)
-        # NOTE: built once: every layer of every step asks for its views (slicing costs ~15 us a call)
+        # NOTE: built once: every layer of every step asks for its views, and slicing is not free
         self._layer_views = [(self.storage[:, i, 0], self.storage[:, i, 1]) for i in range(num_layers)]
         logger.info(
             "KV pool: %d blocks x %d tokens = %d tokens capacity; %d bytes per token, %d bytes per block, %.1f MiB",

@@ -160,10 +160,7 @@ class Engine:
         self._is_closed = True
         try:
             if self.offload is not None:
-                try:
-                    self.offload.close()
-                finally:
-                    self.backend.on_evict = None
+                self.offload.close()
         finally:
             # NOTE: plugins release their sockets and servers even when the tiers failed to close
             self.plugin_manager.hook.corekv_on_engine_closed(engine=self)

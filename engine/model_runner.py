@@ -40,10 +40,9 @@ class ScheduledChunk:
 #: gathering (or, natively, reading) at least this many tokens' KV per layer, i.e. (rows - 1) *
 #: shared tokens.
 #: NOTE: a cascade costs an extra attention call and the merge, which a small saving does not pay
-#: for: W1's five decodes sharing a system prompt run faster plain, W2's 32 decodes sharing a long
-#: prefix faster as a cascade; the threshold lies between them (BENCHMARKS.md, "decode cascade only
-#: when it saves >= 1,024 tokens of gathering"). That is the torch path's break-even, where the
-#: saving is a gather; the native decode kernel reads blocks in place, so its own may lie elsewhere.
+#: for; the threshold is the torch path's measured break-even (BENCHMARKS.md, "decode cascade only
+#: when it saves >= 1,024 tokens of gathering"), where the saving is a gather. The native decode
+#: kernel reads blocks in place, so its own break-even may lie elsewhere.
 CASCADE_MIN_SAVED_TOKENS = 1024
 
 

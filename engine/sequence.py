@@ -13,7 +13,7 @@ from collections.abc import Sequence as SequenceABC
 import torch
 
 from corekv.hashing import PrefixKey
-from corekv.offload.swap import Parked
+from corekv.offload import Parked
 from corekv.engine.detokenizer import IncrementalDetokenizer, find_stop
 from corekv.engine.sampling import SamplingParams
 

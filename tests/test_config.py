@@ -594,7 +594,7 @@ def test_swap_preemption_needs_a_host_tier(pm):
     assert load(with_host, pm).engine.preemption == "swap"
 
 
-def test_offload_settings_for_the_cache_manager(pm):
+def test_offload_settings(pm):
     cfg = load({"cache": {**TOY, "offload_min_hits": 2, "offload_queue_blocks": 64}}, pm)
     assert (cfg.cache.offload_min_hits, cfg.cache.offload_queue_blocks) == (2, 64)
     assert str(error_of({"cache": {**TOY, "offload_queue_blocks": 0}}, pm)) == (

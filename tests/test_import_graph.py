@@ -46,7 +46,7 @@ def imported_modules(name: str, path: Path, known: set[str]) -> set[str]:
         for target in targets:
             while target and target not in known:
                 target = target.rpartition(".")[0]
-            if target and target != name and not name.startswith(target + "."):
+            if target and target != name:
                 found.add(target)
     return found
 

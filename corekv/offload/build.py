@@ -71,15 +71,11 @@ def make_offload(cache: CacheConfig, plugin_manager, *, fingerprint: str, dtype:
         raise
     if not tiers:
         return None, not_started
-    offload = Offload(tiers, kv_pool, write_policy=cache.write_policy, offload_min_hits=cache.offload_min_hits,
-                      queue_blocks=cache.offload_queue_blocks, hooks=plugin_manager.hook,
-                      prefetch_blocks=cache.prefetch_blocks, swap_tier=swap_tier,
-                      cached_blocks=lambda: [(h, b) for b in range(backend.num_blocks)
-                                             if (h := backend.block_hash(b)) is not None])
     try:
-        backend.on_evict = offload.evicted
+        offload = Offload(tiers, kv_pool, write_policy=cache.write_policy, offload_min_hits=cache.offload_min_hits,
+                          queue_blocks=cache.offload_queue_blocks, hooks=plugin_manager.hook,
+                          prefetch_blocks=cache.prefetch_blocks, swap_tier=swap_tier, backend=backend)
     except ValueError as e:
-        offload.close()
         raise ConfigError(f"cache.tiers needs a backend that reports evicted blocks' hashes: {e} "
                           "(for radix: set cache.backend_options.track_hashes: true)") from e
     return offload, not_started

@@ -31,7 +31,8 @@ from corekv.offload.pool_io import snapshot_blocks
 from corekv.offload.prefetch import Prefetch, Prefetcher
 from corekv.offload.reload import Reloader
 from corekv.offload.swap import Parked, Swap
-from corekv.offload.writer import OffloadWriter, safe_tier_call as _safe
+from corekv.offload.tier_calls import safe_tier_call as _safe
+from corekv.offload.writer import OffloadWriter
 from corekv.tier import Tier
 
 __all__ = ["Offload"]
@@ -62,13 +63,17 @@ class Offload:
 
     def __init__(self, tiers: Sequence[Tier], kv_pool, *, write_policy: str = "write_back",
                  offload_min_hits: int = 0, queue_blocks: int = 256, hooks=None,
-                 prefetch_blocks: int | None = None, swap_tier: int | None = None,
-                 cached_blocks: Callable[[], list[tuple[BlockHash, int]]] | None = None):
+                 prefetch_blocks: int | None = None, swap_tier: int | None = None, backend=None):
         """:param prefetch_blocks: blocks prefetches may stage in host memory at once (None: as
             many as the device pool holds; 0: no prefetch, admission loads synchronously).
         :param swap_tier: index of the tier swap preemption parks blocks in (None: no swap).
-        :param cached_blocks: ``(hash, block id)`` of every block cached on the device; at
-            :meth:`close` they are written to the persistent tiers, so a new process finds them.
+        :param backend: the prefix-cache backend over ``kv_pool``: its evictions are wired to
+            :meth:`evicted` (until :meth:`close`), and at close the blocks it still caches are
+            written to the persistent tiers, so a new process finds them.
+        :raises ValueError: a backend that cannot report evicted blocks' hashes.
+
+        NOTE: the arguments are checked here too although the config reader checked the config's
+        values: tests and embedding code (the vLLM connector) build an Offload without a config.
         """
         if write_policy not in ("write_back", "write_through"):
             raise ValueError(f"write_policy must be 'write_back' or 'write_through', got {write_policy!r}")
@@ -89,7 +94,7 @@ class Offload:
         self.offload_min_hits = offload_min_hits
         self.queue_blocks = queue_blocks
         self.hooks = hooks  # a pluggy HookRelay (corekv_on_blocks_offloaded/loaded) or None
-        self.cached_blocks = cached_blocks
+        self.backend = backend
         #: device hits (and reloads) per resident block, for ``offload_min_hits``; in the order
         #: last counted (see the class docstring for its bound)
         self.hit_counts: dict[BlockHash, int] = {}
@@ -105,6 +110,12 @@ class Offload:
                      if swap_tier is not None else None)
         #: waiting requests' prefetches, until their admission (:meth:`load`) or :meth:`left`
         self.prefetches: dict[Hashable, Prefetch] = {}
+        if backend is not None:
+            try:
+                backend.on_evict = self.evicted
+            except ValueError:
+                self._stop()
+                raise
 
     # -- a request's blocks ------------------------------------------------------------------
     def arrived(self, request: Hashable, key: PrefixKey, num_device_blocks: int, max_blocks: int) -> None:
@@ -200,14 +211,26 @@ class Offload:
             return
         try:
             persistent = [t for t in self.tiers if t.is_persistent]
-            self.flush(self.cached_blocks() if persistent and self.cached_blocks else (), tiers=persistent)
+            if persistent and self.backend is not None:
+                backend = self.backend
+                self.flush([(h, b) for b in range(backend.num_blocks) if (h := backend.block_hash(b)) is not None],
+                           tiers=persistent)
+            else:
+                self.flush()
         finally:
-            if self.prefetcher is not None:
-                self.prefetcher.close()
+            if self.backend is not None:
+                self.backend.on_evict = None
+            self._stop()
+
+    def _stop(self) -> None:
+        """Stop the threads and close the tiers."""
+        if self.prefetcher is not None:
+            self.prefetcher.close()
+        if self._writer is not None:
             self._writer.close()
             self._writer = None
-            for tier in self.tiers:
-                _safe(tier.close, None, tier, "close")
+        for tier in self.tiers:
+            _safe(tier.close, None, tier, "close")
 
     @property
     def num_queued_blocks(self) -> int:

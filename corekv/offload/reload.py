@@ -17,7 +17,7 @@ import torch
 from corekv.hashing import BlockHash, PrefixKey
 from corekv.offload.pool_io import load_into_pool, snapshot_blocks, write_rows
 from corekv.offload.prefetch import Prefetch, Prefetcher, TierRun
-from corekv.offload.writer import safe_tier_call as _safe
+from corekv.offload.tier_calls import safe_tier_call as _safe
 from corekv.tier import Tier
 
 __all__ = ["Reloader", "OnLoaded"]

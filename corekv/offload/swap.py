@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from corekv.hashing import PrefixKey
 from corekv.offload.pool_io import snapshot_blocks
-from corekv.offload.writer import safe_tier_call as _safe
+from corekv.offload.tier_calls import safe_tier_call as _safe
 from corekv.tier import Tier
 
 __all__ = ["Parked", "Swap"]

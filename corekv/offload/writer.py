@@ -16,11 +16,12 @@ from collections.abc import Callable, Sequence
 import torch
 
 from corekv.hashing import BlockHash
+from corekv.offload.tier_calls import safe_tier_call
 from corekv.tier import Tier
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["OffloadWriter", "safe_tier_call"]
+__all__ = ["OffloadWriter"]
 
 _STOP = object()
 
@@ -120,12 +121,3 @@ class OffloadWriter:
     def _done(self, num_blocks: int) -> None:
         with self._lock:
             self._queued_blocks -= num_blocks
-
-
-def safe_tier_call(call, default, tier: Tier, what: str):
-    """Run a tier call; a tier that raises anyway (a plugin's bug) is logged and read as a miss."""
-    try:
-        return call()
-    except Exception as e:
-        logger.warning("tier %s: %s failed (%s: %s); treated as a miss", tier.name, what, type(e).__name__, e)
-        return default

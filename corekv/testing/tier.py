@@ -250,8 +250,8 @@ class TierTests:
         assert not out.any() and tier.stats()["faults"] == 5
 
     def test_a_payload_zeroed_under_a_recomputed_keyless_checksum_is_a_miss(self, tier):
-        """The forgery that passed format 1: zero the KV and recompute the checksum over header
-        and payload alone. The tag also covers the key, so the forged entry fails."""
+        """Zero the KV and recompute a checksum over header and payload alone: the tag also
+        covers the key, so a forger who leaves the key out fails."""
         import xxhash
 
         key = make_keys(1, salt="forge")[0]

@@ -123,7 +123,7 @@ def test_memory_stays_flat_and_everything_returns_to_idle(tiny_llama, tmp_path, 
     config = type(config)(**{**config.__dict__, "cache": type(config.cache)(
         **{**config.cache.__dict__, "offload_min_hits": offload_min_hits})})
     with Engine(config, model=tiny_llama) as engine:
-        manager, backend = engine.offload, engine.backend
+        offload, backend = engine.offload, engine.backend
         engine.warm(SYSTEM)
         serve(engine, 0, NUM_WARMUP_BATCHES)
         gc.collect()
@@ -143,10 +143,10 @@ def test_memory_stays_flat_and_everything_returns_to_idle(tiny_llama, tmp_path, 
             tracemalloc.stop()
 
         stats = engine.stats()
-        manager.flush()
+        offload.flush()
         resident = {h for b in range(backend.num_blocks) if (h := backend.block_hash(b)) is not None}
         host, lmdb = stats["tiers"]["host"], stats["tiers"]["lmdb"]
-        prefetch = manager.prefetch_stats()
+        prefetch = offload.prefetch_stats()
         # the run did what a soak is for: evictions, offloads and reloads from both tiers
         assert stats["backend"]["num_evicted_blocks"] > 0 and host["offloads"] > 0 and lmdb["offloads"] > 0
         assert host["reloads"] > 0 and lmdb["reloads"] > 0 and host["evictions"] > 0
@@ -159,12 +159,12 @@ def test_memory_stays_flat_and_everything_returns_to_idle(tiny_llama, tmp_path, 
         assert stats["num_waiting"] == stats["num_running"] == 0 and not engine.has_unfinished_requests
         assert backend.num_pinned_blocks > 0
         assert backend.num_free_blocks == backend.num_blocks - backend.num_pinned_blocks
-        assert manager.num_queued_blocks == 0
+        assert offload.num_queued_blocks == 0
         assert not engine.offload.prefetches and prefetch["num_staged_blocks"] == 0
         assert prefetch["staged_blocks"] == prefetch["used_blocks"] + prefetch["dropped_blocks"]
         # hit_counts: none kept without offload_min_hits; otherwise only resident blocks
         if offload_min_hits == 0:
-            assert manager.hit_counts == {}
+            assert offload.hit_counts == {}
         else:
-            assert manager.hit_counts and set(manager.hit_counts) <= resident
-        assert manager.opted_out <= resident
+            assert offload.hit_counts and set(offload.hit_counts) <= resident
+        assert offload.opted_out <= resident

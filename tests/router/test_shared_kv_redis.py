@@ -1,4 +1,4 @@
-"""KV shared between ``corekv serve`` processes through one Redis tier (issue 6, part 4).
+"""KV shared between ``corekv serve`` processes through one Redis tier.
 
 Two real worker subprocesses serve the tiny model with the same ``redis`` tier (a real
 redis-server on loopback, ``write_through``): a prefix one worker computed is reloaded from Redis,

@@ -127,7 +127,7 @@ def test_json_nested_100000_deep_is_a_400_without_a_traceback(server):
 
 
 @pytest.mark.parametrize("name, body", [
-    # each of these once reached a 500, or a 400 with a traceback in the log
+    # bodies that must get a 400 with nothing in the log: deep nesting, huge numbers, bad text
     ("nested below the recursion limit", nested(900)),
     ("messages nested below the recursion limit", b'{"messages": ' + b"[" * 900 + b"]" * 900 + b"}"),
     ("a lone surrogate in the prompt", b'{"prompt": "\\ud800"}'),
