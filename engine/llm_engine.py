@@ -125,15 +125,18 @@ class Engine:
 
     @classmethod
     def from_config(cls, config: Config | Mapping | str | os.PathLike | None = None, *,
-                    model: LoadedModel | None = None, plugins: tuple = ()) -> Engine:
+                    model: LoadedModel | None = None, plugins: tuple = (),
+                    plugin_manager: Any = None) -> Engine:
         """Build an engine from a :class:`corekv.Config`, a mapping, or a YAML file path.
 
         :param model: an already loaded model to serve instead of loading ``config.model``
             (its dtype and device then win over ``config.dtype`` / ``config.device``).
         :param plugins: extra plugin modules or objects, besides ``config.plugins``.
+        :param plugin_manager: for a :class:`corekv.Config`, the manager it was checked against
+            (:func:`corekv.config.read_config` returns both), so the engine builds no second one.
         """
         if isinstance(config, Config):
-            return cls(config, model=model, plugins=tuple(plugins))
+            return cls(config, model=model, plugins=tuple(plugins), plugin_manager=plugin_manager)
         from corekv.config import read_config
 
         # NOTE: one plugin manager checks the config and serves the engine

@@ -8,7 +8,7 @@ import json
 import sys
 from typing import Any
 
-from corekv.cli.args import UsageError, float_at_least, int_at_least, load_config_arg, parser_kwargs
+from corekv.cli.args import UsageError, float_at_least, int_at_least, parser_kwargs, read_config_arg
 from corekv.cli.output import progress
 
 
@@ -62,10 +62,10 @@ def add_warm_command(commands, common) -> None:
 def cmd_generate(args: argparse.Namespace) -> int:
     import corekv
 
-    cfg = load_config_arg(args)
+    cfg, plugin_manager = read_config_arg(args)
     prompt: Any = [{"role": "user", "content": args.prompt}] if args.chat else args.prompt
     params = corekv.SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature)
-    with corekv.Engine.from_config(cfg) as engine:
+    with corekv.Engine.from_config(cfg, plugin_manager=plugin_manager) as engine:
         out = engine.generate([prompt], params, cache_salt=args.salt)[0]
         stats = engine.stats() if args.json or args.stats else None
     if args.json:
@@ -99,8 +99,8 @@ def cmd_warm(args: argparse.Namespace) -> int:
     if not prompts:
         raise UsageError("warm needs --prompt TEXT (repeatable) or --prompts-file FILE "
                          "(see 'corekv warm --help')")
-    cfg = load_config_arg(args)
-    with corekv.Engine.from_config(cfg) as engine:
+    cfg, plugin_manager = read_config_arg(args)
+    with corekv.Engine.from_config(cfg, plugin_manager=plugin_manager) as engine:
         counts = [engine.warm(p, pin=args.pin, cache_salt=args.salt)
                   for p in progress(prompts, "warm", unit="prompt")]
         stats = engine.stats() if args.stats else None

@@ -8,7 +8,7 @@ from __future__ import annotations
 import argparse
 
 from corekv.cli.args import (API_KEY_ENV, DEFAULT_MAX_REQUEST_SIZE, UsageError, api_key_arg,
-                             choice_arg, load_config_arg, non_empty, parser_kwargs, port_arg,
+                             choice_arg, non_empty, parser_kwargs, port_arg, read_config_arg,
                              seconds_at_least_0, size_arg)
 
 
@@ -54,11 +54,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if not args.host.strip():
         raise UsageError("--host: got an empty string; pass an address such as 127.0.0.1 or 0.0.0.0")
     api_key = api_key_arg(args.api_key, "--api-key", API_KEY_ENV)
-    cfg = load_config_arg(args)
+    cfg, plugin_manager = read_config_arg(args)
     try:
         serve(cfg, args.host, args.port, served_model_name=args.served_model_name,
               drain_timeout=args.drain_timeout, log_level=args.log_level, api_key=api_key,
-              max_request_bytes=args.max_request_bytes)
+              max_request_bytes=args.max_request_bytes, plugin_manager=plugin_manager)
     except OSError as e:  # NOTE: the address cannot be bound; the message names it and the fix
         from corekv.errors import CoreKVError
 

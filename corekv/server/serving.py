@@ -24,13 +24,14 @@ LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
 def serve(config: Any, host: str = "127.0.0.1", port: int = 8000, *,
           served_model_name: str | None = None, drain_timeout: float = 30.0,
           log_level: str = "info", api_key: str | None = None,
-          max_request_bytes: int | None = None) -> None:
+          max_request_bytes: int | None = None, plugin_manager: Any = None) -> None:
     """Serve one engine built from ``config`` (a :class:`corekv.Config`, a mapping or a YAML path)
     on ``host:port`` until SIGTERM or SIGINT, then shut down gracefully and return.
 
     ``api_key`` and ``max_request_bytes`` (default: ``DEFAULT_MAX_REQUEST_BYTES``) are
-    :func:`corekv.server.app.build_app`'s. The port is bound before the model loads, so a taken
-    port fails at once.
+    :func:`corekv.server.app.build_app`'s; ``plugin_manager`` is the one ``config`` was checked
+    against (see :meth:`corekv.Engine.from_config`). The port is bound before the model loads, so
+    a taken port fails at once.
     :raises OSError: the address cannot be bound (message names host, port and the fix).
     """
     _check_args(host, port, drain_timeout, log_level)
@@ -49,7 +50,7 @@ def serve(config: Any, host: str = "127.0.0.1", port: int = 8000, *,
 
     sock = bind_socket(host, port)
     try:
-        engine = Engine.from_config(config)
+        engine = Engine.from_config(config, plugin_manager=plugin_manager)
     except BaseException:
         sock.close()
         raise
