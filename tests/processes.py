@@ -105,3 +105,17 @@ def running(procs: list[ServeProcess]):
     finally:
         for proc in procs:
             proc.stop()
+
+
+def head_only(host: str, port: int, headers: str) -> bytes:
+    """POST a request's head and no body; return the answer, up to the end of its JSON body (each
+    read waits at most 30 s): what a server says before it has read a byte of the body."""
+    answer = b""
+    with socket.create_connection((host, port), timeout=30) as sock:
+        sock.sendall(f"POST /v1/completions HTTP/1.1\r\nHost: test\r\n{headers}\r\n".encode())
+        while not answer.endswith(b"}}"):
+            data = sock.recv(65536)
+            if not data:
+                break
+            answer += data
+    return answer

@@ -4,12 +4,11 @@ router sends workers the worker key (health checks and ``/admin/info`` reads too
 client's."""
 from __future__ import annotations
 
-import socket
 
 import httpx
 import openai
 import pytest
-from processes import wait_until
+from processes import head_only, wait_until
 from router_helpers import CLIENT_KEY, WORKER_KEY
 
 
@@ -80,15 +79,8 @@ def test_the_clients_key_is_not_forwarded(keyed_worker, make_router):
 
 def test_a_body_over_the_routers_limit_is_a_413_before_it_is_read(make_router, workers):
     router = make_router([workers[0].url], max_request_bytes=64 * 1024)
-    answer = b""
-    with socket.create_connection(("127.0.0.1", int(router.url.rsplit(":", 1)[1])), timeout=30) as sock:
-        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: test\r\nContent-Type: application/json"
-                     b"\r\nContent-Length: 50000000\r\n\r\n")
-        while not answer.endswith(b"}}"):
-            data = sock.recv(65536)
-            if not data:
-                break
-            answer += data
+    answer = head_only("127.0.0.1", int(router.url.rsplit(":", 1)[1]),
+                       "Content-Type: application/json\r\nContent-Length: 50000000\r\n")
     assert answer.startswith(b"HTTP/1.1 413 ") and b"limit of 65536 bytes" in answer, answer
 
     def chunked():

@@ -3,11 +3,11 @@
 endpoint but ``/health``, is a 401 in OpenAI's error shape, refused before its body is read."""
 from __future__ import annotations
 
-import socket
 
 import httpx
 import openai
 import pytest
+from processes import head_only
 from server_helpers import MODEL_ID
 
 from corekv.server import BackgroundServer, build_app
@@ -82,15 +82,7 @@ def test_health_is_open(keyed):
 
 
 def test_a_client_without_the_key_is_refused_before_its_body_is_read(keyed):
-    answer = b""
-    with socket.create_connection((keyed.host, keyed.port), timeout=30) as sock:
-        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: test\r\nContent-Type: application/json"
-                     b"\r\nContent-Length: 1000000000\r\n\r\n")
-        while not answer.endswith(b"}}"):
-            data = sock.recv(65536)
-            if not data:
-                break
-            answer += data
+    answer = head_only(keyed.host, keyed.port, "Content-Type: application/json\r\nContent-Length: 1000000000\r\n")
     assert answer.startswith(b"HTTP/1.1 401 "), answer
 
 

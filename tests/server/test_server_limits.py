@@ -6,11 +6,11 @@ served meanwhile, and the server goes on."""
 from __future__ import annotations
 
 import json
-import socket
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
+import processes
 from server_helpers import MODEL_ID, logged_errors, tiny_config
 
 from corekv.engine.llm_engine import Engine
@@ -35,17 +35,7 @@ def still_serving(server) -> None:
 
 
 def head_only(server, headers: str) -> bytes:
-    """Send a request's head and no body; return the server's answer, up to the end of its JSON
-    body (each read waits at most 30 s)."""
-    answer = b""
-    with socket.create_connection((server.host, server.port), timeout=30) as sock:
-        sock.sendall(f"POST /v1/completions HTTP/1.1\r\nHost: test\r\n{headers}\r\n".encode())
-        while not answer.endswith(b"}}"):
-            data = sock.recv(65536)
-            if not data:
-                break
-            answer += data
-    return answer
+    return processes.head_only(server.host, server.port, headers)
 
 
 def test_a_50_mb_body_is_a_413_within_seconds_while_another_client_is_served(server, client):
