@@ -33,6 +33,9 @@ def make_tier(spec, options: Mapping[str, Any], *, block_bytes: int, fingerprint
     ``where`` (the entry's field path, e.g. ``cache.tiers[0]``) before the option's name; any other
     failure of the factory raises :class:`PluginError` naming the plugin. ``secret`` makes every
     entry's tag a MAC with that key (:mod:`corekv.block_format`), whatever the tier's type.
+
+    NOTE: options from a loaded config were checked by the config reader already; the checks
+    here are for callers that build a tier directly (a plugin's tests, embedding code).
     """
     where = where or f"cache.tiers ({spec.name})"
     unknown = sorted(set(options) - set(spec.options))
