@@ -16,6 +16,31 @@ from corekv.cli import main
 WORKERS = ["--workers", "http://127.0.0.1:8001", "http://127.0.0.1:8002"]
 
 
+def start_route(args: list[str], **env: str) -> tuple[subprocess.Popen, str]:
+    """``python -m corekv.cli route ARGS`` on a free port, waited for until ``/health`` answers;
+    returns the process (the caller terminates it) and its URL."""
+    port = free_port()
+    router = subprocess.Popen(
+        [sys.executable, "-m", "corekv.cli", "route", *args, "--port", str(port), "--health-interval", "0.5"],
+        env=dict(os.environ, COREKV_DISABLE_PLUGIN_AUTOLOAD="1", **env),
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+
+    def healthy():
+        assert router.poll() is None, router.stdout.read().decode()
+        try:
+            return httpx.get(url + "/health", timeout=1).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    try:
+        wait_until(healthy, 60, "corekv route to answer /health", 0.2)
+    except BaseException:
+        router.kill()
+        raise
+    return router, url
+
+
 @pytest.mark.parametrize("args, message", [
     (["--cache-threshold", "1.5"], "--cache-threshold: got 1.5; expected a number in [0, 1]"),
     (["--cache-threshold", "half"], "--cache-threshold: got 'half'; expected a number in [0, 1]"),
@@ -57,22 +82,9 @@ def test_workers_are_required(capsys):
 def test_the_route_command_serves_requests(workers):
     """The real entry point: ``python -m corekv.cli route`` as a user starts it (its config names
     the workers' model, whose tokenizer it loads)."""
-    port = free_port()
-    env = dict(os.environ, COREKV_DISABLE_PLUGIN_AUTOLOAD="1")
-    router = subprocess.Popen(
-        [sys.executable, "-m", "corekv.cli", "route", "--config", str(workers[0].config_path),
-         "--workers", workers[0].url, workers[1].url, "--port", str(port),
-         "--health-interval", "0.5"], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
+    router, url = start_route(["--config", str(workers[0].config_path), "--workers", workers[0].url,
+                               workers[1].url])
     try:
-        def healthy():
-            assert router.poll() is None, router.stdout.read().decode()
-            try:
-                return httpx.get(url + "/health", timeout=1).status_code == 200
-            except httpx.HTTPError:
-                return False
-
-        wait_until(healthy, 60, "corekv route to answer /health", 0.2)
         response = httpx.post(url + "/v1/completions", json={"prompt": "Hello", "max_tokens": 2},
                               timeout=60)
         assert response.status_code == 200 and response.json()["usage"]["completion_tokens"] == 2
@@ -92,22 +104,9 @@ def test_a_bad_worker_key_in_the_environment_exits_2_naming_the_variable(monkeyp
 
 def test_the_route_command_takes_its_keys_from_flags_and_the_environment(keyed_worker):
     """The real entry point: the clients' key from $COREKV_API_KEY, the worker's from the flag."""
-    port = free_port()
-    env = dict(os.environ, COREKV_DISABLE_PLUGIN_AUTOLOAD="1", COREKV_API_KEY=CLIENT_KEY)
-    router = subprocess.Popen(
-        [sys.executable, "-m", "corekv.cli", "route", "--config", str(keyed_worker.config_path),
-         "--workers", keyed_worker.url, "--port", str(port), "--health-interval", "0.5",
-         "--worker-api-key", WORKER_KEY], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
+    router, url = start_route(["--config", str(keyed_worker.config_path), "--workers", keyed_worker.url,
+                               "--worker-api-key", WORKER_KEY], COREKV_API_KEY=CLIENT_KEY)
     try:
-        def healthy():
-            assert router.poll() is None, router.stdout.read().decode()
-            try:
-                return httpx.get(url + "/health", timeout=1).status_code == 200
-            except httpx.HTTPError:
-                return False
-
-        wait_until(healthy, 60, "corekv route to answer /health", 0.2)
         body = {"prompt": "Hello", "max_tokens": 2}
         assert httpx.post(url + "/v1/completions", json=body, timeout=60).status_code == 401
         response = httpx.post(url + "/v1/completions", json=body, timeout=60,
