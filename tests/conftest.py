@@ -1,10 +1,14 @@
 """Session-wide test settings and fixtures: keep plugin loading hermetic (only corekv's own entry
 points) and save the tiny model once for the tests that start engines from a model folder."""
+import importlib.util
 import os
 
 import pytest
 
 os.environ.setdefault("COREKV_DISABLE_PLUGIN_AUTOLOAD", "1")
+
+# tests/vllm runs under the vLLM venv's python (.ci/run); the main venv has no vllm
+collect_ignore = [] if importlib.util.find_spec("vllm") else ["vllm"]
 
 # a real redis-server on a free loopback port per test (fails, not skips, when CI=true and absent)
 from redis_server import redis_server  # noqa: E402,F401  (fixture)

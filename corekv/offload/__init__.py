@@ -26,9 +26,10 @@ connector call the facade only.
 """
 from __future__ import annotations
 
-from corekv.offload.build import fingerprint_bytes, make_offload
+from corekv.offload.build import fingerprint_bytes, make_offload, make_tiers
 from corekv.offload.facade import Offload
 from corekv.offload.prefetch import TierRun
+from corekv.offload.reload import lookup_runs
 from corekv.offload.swap import Parked
 
-__all__ = ["Offload", "Parked", "TierRun", "fingerprint_bytes", "make_offload"]
+__all__ = ["Offload", "Parked", "TierRun", "fingerprint_bytes", "lookup_runs", "make_offload", "make_tiers"]

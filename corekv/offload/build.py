@@ -11,9 +11,10 @@ import logging
 from corekv.config import CacheConfig
 from corekv.errors import ConfigError, PluginError
 from corekv.offload.facade import Offload
+from corekv.tier import Tier
 from corekv.tier_factory import make_tier
 
-__all__ = ["make_offload", "fingerprint_bytes"]
+__all__ = ["make_offload", "make_tiers", "fingerprint_bytes"]
 logger = logging.getLogger(__name__)
 
 
@@ -25,32 +26,27 @@ def fingerprint_bytes(fingerprint: str) -> bytes:
         return fingerprint.encode()
 
 
-def make_offload(cache: CacheConfig, plugin_manager, *, fingerprint: str, dtype: str, kv_pool, backend,
-                 swap: bool = False) -> tuple[Offload | None, dict[str, str]]:
-    """The tiers of ``cache.tiers``, in order, under one :class:`Offload` wired to ``backend``'s
-    evictions (``None`` when no tier is configured or none started), and ``{tier name: why it
-    did not start}``.
+def make_tiers(cache: CacheConfig, plugin_manager, *, fingerprint: str, dtype: str, block_bytes: int,
+               shape) -> tuple[list[Tier], dict[str, str]]:
+    """The tiers of ``cache.tiers`` that started, in order, for blocks of ``block_bytes`` bytes
+    (``dtype`` elements of ``shape``) of the model ``fingerprint``, and ``{tier name: why it did
+    not start}``.
 
     A tier that fails to start is left out with one warning, unless it says ``required: true``;
-    then, as for every configuration error, nothing starts. Tiers already built are closed again
-    if a later one fails, so a bad config leaks no open LMDB environment or connection. With
-    ``swap``, preempted sequences are parked in the first host tier that started.
+    then, as for every configuration error, nothing starts: tiers already built are closed again,
+    so a bad config leaks no open LMDB environment or connection.
 
-    :raises ConfigError: a required tier that failed, a missing integrity secret, swap without a
-        started host tier, or a backend that cannot report evicted blocks' hashes (radix with
-        ``track_hashes: false``).
+    :raises ConfigError: a required tier that failed, or a missing integrity secret.
     """
-    if not cache.tiers:
-        return None, {}
     specs = plugin_manager.tiers()
     secret = cache.integrity.secret()
     tiers, not_started = [], {}
     try:
         for i, tier_cfg in enumerate(cache.tiers):
             try:
-                tiers.append(make_tier(specs[tier_cfg.type], tier_cfg.options, block_bytes=kv_pool.bytes_per_block,
+                tiers.append(make_tier(specs[tier_cfg.type], tier_cfg.options, block_bytes=block_bytes,
                                        fingerprint=fingerprint_bytes(fingerprint), dtype=dtype,
-                                       shape=kv_pool.block_shape, name=tier_cfg.name, secret=secret,
+                                       shape=shape, name=tier_cfg.name, secret=secret,
                                        where=f"cache.tiers[{i}]"))
             except (ConfigError, PluginError) as e:
                 if tier_cfg.required:
@@ -58,17 +54,36 @@ def make_offload(cache: CacheConfig, plugin_manager, *, fingerprint: str, dtype:
                 not_started[tier_cfg.name] = str(e)
                 logger.warning("tier %s did not start and is left out (set required: true to refuse "
                                "to run without it): %s", tier_cfg.name, e)
-        swap_tier = None
-        if swap:
-            host_names = {t.name for t in cache.tiers if t.type == "host"}
-            swap_tier = next((i for i, t in enumerate(tiers) if t.name in host_names), None)
-            if swap_tier is None:
-                raise ConfigError(f"engine.preemption: 'swap' needs a host tier, and none started "
-                                  f"({not_started}); fix the tier or use preemption: recompute")
     except BaseException:
         for tier in tiers:
             tier.close()
         raise
+    return tiers, not_started
+
+
+def make_offload(cache: CacheConfig, plugin_manager, *, fingerprint: str, dtype: str, kv_pool, backend,
+                 swap: bool = False) -> tuple[Offload | None, dict[str, str]]:
+    """The tiers of ``cache.tiers`` (:func:`make_tiers`), in order, under one :class:`Offload`
+    wired to ``backend``'s evictions (``None`` when no tier is configured or none started), and
+    ``{tier name: why it did not start}``. With ``swap``, preempted sequences are parked in the
+    first host tier that started.
+
+    :raises ConfigError: as :func:`make_tiers`; also swap without a started host tier, or a
+        backend that cannot report evicted blocks' hashes (radix with ``track_hashes: false``).
+    """
+    if not cache.tiers:
+        return None, {}
+    tiers, not_started = make_tiers(cache, plugin_manager, fingerprint=fingerprint, dtype=dtype,
+                                    block_bytes=kv_pool.bytes_per_block, shape=kv_pool.block_shape)
+    swap_tier = None
+    if swap:
+        host_names = {t.name for t in cache.tiers if t.type == "host"}
+        swap_tier = next((i for i, t in enumerate(tiers) if t.name in host_names), None)
+        if swap_tier is None:
+            for tier in tiers:
+                tier.close()
+            raise ConfigError(f"engine.preemption: 'swap' needs a host tier, and none started "
+                              f"({not_started}); fix the tier or use preemption: recompute")
     if not tiers:
         return None, not_started
     try:

@@ -20,7 +20,7 @@ from corekv.offload.prefetch import Prefetch, Prefetcher, TierRun
 from corekv.offload.tier_calls import safe_tier_call as _safe
 from corekv.tier import Tier
 
-__all__ = ["Reloader", "OnLoaded"]
+__all__ = ["Reloader", "OnLoaded", "lookup_runs"]
 
 #: blocks per tier call of a prefetch job: between calls it checks for admission's handoff
 _CHUNK = 8
@@ -28,6 +28,24 @@ _CHUNK = 8
 #: ``on_loaded(tier_index, keys, snapshot)``: blocks ``keys`` reached the pool from that tier;
 #: ``snapshot()`` returns their bytes as CPU rows (for a write-through promotion)
 OnLoaded = Callable[[int, Sequence[BlockHash], Callable[[], torch.Tensor]], None]
+
+
+def lookup_runs(tiers: Sequence[Tier], hashes: Sequence[BlockHash], start: int, stop: int) -> list[TierRun]:
+    """Runs of the chain ``hashes[start:stop]`` held by ``tiers``, from ``start`` on: the leading
+    run of the first tier that holds block ``start``, then on from its end, down the tiers in
+    order, until no tier holds the next block. A tier that fails answers "absent" (counted)."""
+    runs: list[TierRun] = []
+    pos = start
+    while pos < stop:
+        for index, tier in enumerate(tiers):
+            num = _safe(lambda: tier.exists(hashes[pos:stop]), 0, tier, "exists")
+            if num:
+                runs.append(TierRun(index, num))
+                pos += num
+                break
+        else:
+            break
+    return runs
 
 
 class Reloader:
@@ -48,21 +66,7 @@ class Reloader:
 
     def lookup(self, key: PrefixKey, start: int, stop: int) -> list[TierRun]:
         """Runs of blocks ``start .. stop - 1`` of ``key`` held by the tiers, from ``start`` on."""
-        runs: list[TierRun] = []
-        if not self.tiers or start >= stop:
-            return runs
-        hashes = key.block_hashes
-        pos = start
-        while pos < stop:
-            for index, tier in enumerate(self.tiers):
-                num = _safe(lambda: tier.exists(hashes[pos:stop]), 0, tier, "exists")
-                if num:
-                    runs.append(TierRun(index, num))
-                    pos += num
-                    break
-            else:
-                break
-        return runs
+        return lookup_runs(self.tiers, key.block_hashes, start, stop)
 
     def load(self, key: PrefixKey, start: int, runs: Sequence[TierRun], block_ids: Sequence[int]) -> dict[str, int]:
         """Copy the blocks of ``runs`` into ``block_ids`` (one per block, in order).
@@ -141,7 +145,7 @@ class Reloader:
         # NOTE: pinned staging makes the host-to-device copy at admission asynchronous; rows'
         # pages are touched only if they are used (empty() does not fault them in).
         prefetch.staging = torch.empty((total, pool.bytes_per_block), dtype=torch.uint8,
-                                       pin_memory=pool.storage.device.type != "cpu")
+                                       pin_memory=pool.device.type != "cpu")
         staging_rows = prefetch.staging.numpy()
         hashes, offset = key.block_hashes, 0
         for run in runs:

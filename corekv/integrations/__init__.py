@@ -1,0 +1,1 @@
+"""Adapters that give other inference engines corekv's tiers (:mod:`corekv.integrations.vllm`)."""

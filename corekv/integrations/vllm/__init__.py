@@ -1,0 +1,16 @@
+"""corekv's tiers inside vLLM: :class:`CoreKVConnector`, a vLLM v1 KV connector.
+
+::
+
+    vllm serve MODEL --kv-transfer-config '{"kv_connector": "CoreKVConnector",
+        "kv_connector_module_path": "corekv.integrations.vllm", "kv_role": "kv_both",
+        "kv_connector_extra_config": {"config": "cache.yaml"}}'
+
+Modules: :mod:`.settings` (the config and the model fingerprint), :mod:`.scheduler` (lookups,
+the step plan, events), :mod:`.worker` (loads and saves through :class:`corekv.offload.Offload`),
+:mod:`.paged_kv` (vLLM's KV tensors as a pool of blocks), :mod:`.shared_tiers` (one set of tiers
+per process), :mod:`.metadata` (what the two sides tell each other).
+"""
+from corekv.integrations.vllm.connector import CoreKVConnector
+
+__all__ = ["CoreKVConnector"]

@@ -1,0 +1,57 @@
+"""What the connector's two sides tell each other once per step (vLLM pickles these between
+processes, so they are module-level dataclasses of plain values)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata, KVConnectorWorkerMetadata
+
+__all__ = ["BlockLoad", "BlockSave", "StepPlan", "StepReport"]
+
+
+@dataclass
+class BlockLoad:
+    """Read blocks ``start .. start + len(block_ids) - 1`` of a request's chain from the tiers
+    into vLLM blocks ``block_ids``, before this step's forward."""
+
+    req_id: str
+    token_ids: list[int]  # the tokens of blocks 0 .. the last block loaded
+    namespace: bytes      # the chain seed (model, block size, salt, LoRA)
+    start: int
+    block_ids: list[int]
+
+
+@dataclass
+class BlockSave:
+    """Offload blocks ``indices`` of a request's chain from vLLM blocks ``block_ids`` (one each)
+    after this step's forward; ``finished``: the request has ended and vLLM keeps its blocks
+    until the worker reports it saved."""
+
+    req_id: str
+    token_ids: list[int]  # the tokens of blocks 0 .. max(indices)
+    namespace: bytes
+    indices: list[int]
+    block_ids: list[int]
+    finished: bool = False
+
+
+@dataclass
+class StepPlan(KVConnectorMetadata):
+    """Scheduler -> worker: this step's loads and saves."""
+
+    loads: list[BlockLoad] = field(default_factory=list)
+    saves: list[BlockSave] = field(default_factory=list)
+
+
+@dataclass
+class StepReport(KVConnectorWorkerMetadata):
+    """Worker -> scheduler: the blocks the tiers stored since the last report (``{tier name:
+    [block hash]}``), for the scheduler's KV events."""
+
+    stored: dict[str, list[bytes]] = field(default_factory=dict)
+
+    def aggregate(self, other: "StepReport") -> "StepReport":
+        merged = {name: list(hashes) for name, hashes in self.stored.items()}
+        for name, hashes in other.stored.items():
+            merged.setdefault(name, []).extend(hashes)
+        return StepReport(stored=merged)
