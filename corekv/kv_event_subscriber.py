@@ -1,6 +1,7 @@
 """Receiving KV events: :class:`KVEventSubscriber` follows one publisher's batches (the messages and
-the replay exchange described in :mod:`corekv.kv_event_wire`) on a background thread, fills gaps
-from the replay socket and reports what stays missing. ``zmq`` is imported on :meth:`start` only.
+the replay exchange described in :mod:`corekv.kv_event_wire`: vLLM 0.32's, sent by corekv's
+``kv_events`` plugin and by vLLM 0.32 servers alike) on a background thread, fills gaps from the
+replay socket and reports what stays missing. ``zmq`` is imported on :meth:`start` only.
 """
 from __future__ import annotations
 
@@ -23,7 +24,9 @@ class KVEventSubscriber:
     strictly increasing, except that a publisher restart (a live ``seq`` that does not grow) calls
     ``on_restart()`` (drop what you knew of this publisher) and starts over from seq 0; a gap in the live stream is filled from ``replay_endpoint`` when given, and whatever
     stays missing is reported once to ``on_gap(first_missing_seq, num_missing)`` and counted in
-    ``num_missed``; an undecodable payload is counted in ``num_decode_errors`` and skipped.
+    ``num_missed``; a malformed message (frames of the wrong shape) or an undecodable payload is
+    counted in ``num_decode_errors``, logged once, and skipped: a hostile or broken publisher costs
+    its own batches, never the thread.
 
     :param endpoint: the publisher's PUB address to connect to (``tcp://127.0.0.1:5557``).
     :param replay_endpoint: its replay ROUTER address, or ``None`` (gaps are then only reported).
@@ -65,6 +68,7 @@ class KVEventSubscriber:
         self.last_seq: int | None = None if start_seq is None else start_seq - 1
         self.num_batches = self.num_replayed = self.num_missed = self.num_decode_errors = 0
         self.num_restarts = 0
+        self._is_error_logged = False
         self._last_live_seq: int | None = None
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
@@ -111,9 +115,12 @@ class KVEventSubscriber:
                 if not self._sub.poll(100):
                     continue
                 frames = self._sub.recv_multipart()
-                if len(frames) != 3 or len(frames[1]) != SEQ_BYTES or (
-                        self.topic and frames[0] != self.topic.encode()):
-                    continue  # NOTE: another topic that shares our prefix, or not a KV event
+                if self.topic and frames[0] != self.topic.encode():
+                    continue  # NOTE: another topic that shares our prefix
+                if len(frames) != 3 or len(frames[1]) != SEQ_BYTES:
+                    self._count_error(f"a message of {len(frames)} frames; expected [topic, "
+                                      f"{SEQ_BYTES}-byte seq, payload]")
+                    continue
                 self._receive(int.from_bytes(frames[1], "big"), frames[2])
         except Exception:  # pragma: no cover - a socket fault or a bug: say so, stop receiving
             logger.exception("KV event subscriber for %s stopped", self.endpoint)
@@ -160,26 +167,30 @@ class KVEventSubscriber:
                 self._replay = self._connect_replay()
                 return
             frames = self._replay.recv_multipart()
-            if len(frames) != 3 or len(frames[1]) != SEQ_BYTES:
+            if len(frames) != 4 or frames[0] != b"" or len(frames[2]) != SEQ_BYTES:
+                self._count_error(f"a replay reply of {len(frames)} frames; expected [b'', topic, "
+                                  f"{SEQ_BYTES}-byte seq, payload]")
                 continue
-            seq = int.from_bytes(frames[1], "big", signed=True)
+            _, topic, seq_bytes, payload = frames
+            seq = int.from_bytes(seq_bytes, "big", signed=True)
             if seq == END_OF_REPLAY_SEQ:
                 return
+            if self.topic and topic != self.topic.encode():
+                continue
             if self.last_seq is not None and seq <= self.last_seq:
                 continue
             if self.last_seq is not None and seq > self.last_seq + 1:
                 # the publisher's buffer no longer holds these
                 self._report_gap(self.last_seq + 1, seq - self.last_seq - 1)
             self.num_replayed += 1
-            self._deliver(seq, frames[2])
+            self._deliver(seq, payload)
 
     def _deliver(self, seq: int, payload: bytes) -> None:
         self.last_seq = seq
         try:
             batch = decode_batch(payload)
         except KVEventDecodeError as e:
-            self.num_decode_errors += 1
-            logger.warning("KV event batch %d from %s skipped: %s", seq, self.endpoint, e)
+            self._count_error(f"batch {seq}: {e}")
             return
         self.num_batches += 1
         try:
@@ -187,6 +198,13 @@ class KVEventSubscriber:
         except Exception:
             # NOTE: a failing consumer must not stop the stream (the next batches still come).
             logger.exception("KVEventSubscriber on_batch failed for batch %d", seq)
+
+    def _count_error(self, what: str) -> None:
+        self.num_decode_errors += 1
+        # NOTE: logged once: a broken publisher repeats its fault on every batch
+        log = logger.debug if self._is_error_logged else logger.warning
+        self._is_error_logged = True
+        log("KV events from %s: skipped %s (counted in num_decode_errors)", self.endpoint, what)
 
     def _report_gap(self, first: int, count: int) -> None:
         self.num_missed += count

@@ -1,11 +1,11 @@
-"""The ``kv_events`` plugin: publish the device cache's block events as vLLM-compatible KV events
+"""The ``kv_events`` plugin: publish the device cache's block events as vLLM 0.32's KV events
 (ZMQ + msgpack).
 
 With ``kv_events: {enabled: true}`` in the config, every engine gets a :class:`KVEventPublisher`
 that turns the ``corekv_on_blocks_stored`` / ``corekv_on_blocks_removed`` hooks into
 :class:`corekv.kv_event_wire.KVEventBatch` messages on a ZMQ PUB socket (the wire format is
 described in :mod:`corekv.kv_event_wire`), so routers written for vLLM's KV events (llm-d,
-``corekv route``) follow the cache::
+``corekv route``) follow the cache as they follow a vLLM server's::
 
     engine = corekv.Engine.from_config({"kv_events": {"enabled": True,
                                                       "endpoint": "tcp://127.0.0.1:5557",
@@ -14,6 +14,11 @@ described in :mod:`corekv.kv_event_wire`), so routers written for vLLM's KV even
     publisher.endpoint, publisher.num_batches, publisher.num_dropped
 
 Off (the default), the plugin does nothing and imports neither ``zmq`` nor ``msgpack``.
+
+The events say what vLLM's own device pool says of its blocks: ``medium`` ``"GPU"`` (vLLM's
+pool reports it on every platform), KV cache group 0 of kind ``full_attention``, data-parallel
+rank 0, block hashes as vLLM's default 64-bit ints (:func:`corekv.kv_event_wire.external_block_hash`
+of corekv's chain hashes), and one ``extra_keys`` entry per block.
 
 What a subscriber learns: every cached and evicted block's hash, when (each batch's time), the
 blocks' token ids unless ``kv_events.include_token_ids`` is false, and for a salted chain a digest
@@ -86,7 +91,7 @@ def check_section(values: Any) -> None:
 def corekv_register_config_sections() -> list:
     return [ConfigSectionSpec(SECTION, options=OPTIONS, check=check_section,
                               description="KV event publishing: the device cache's block events "
-                                          "as vLLM-compatible KV events on a ZMQ PUB socket")]
+                                          "as vLLM 0.32 KV events on a ZMQ PUB socket")]
 
 
 class KVEventPublisher:
@@ -236,41 +241,55 @@ class KVEventPublisher:
         self.num_replay_requests += 1
         client, _, start_bytes = frames
         start = int.from_bytes(start_bytes, "big")
+        # NOTE: vLLM 0.32's replies: [b"", topic, seq, payload] per batch, then the end marker
+        # with an empty topic.
         for seq, payload in self._buffer:
             if seq >= start:
-                self._replay.send_multipart((client, b"", seq.to_bytes(8, "big"), payload))
-        self._replay.send_multipart((client, b"", END_OF_REPLAY_SEQ.to_bytes(8, "big", signed=True),
-                                     b""))
+                self._replay.send_multipart((client, b"", self._topic, seq.to_bytes(8, "big"),
+                                             payload))
+        self._replay.send_multipart((client, b"", b"",
+                                     END_OF_REPLAY_SEQ.to_bytes(8, "big", signed=True), b""))
 
     def _to_batch(self, ts: float, events: list) -> Any:
-        from corekv.kv_event_wire import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
+        from corekv.kv_event_wire import (
+            FULL_ATTENTION, MEDIUM_GPU, AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch,
+            external_block_hash,
+        )
 
         wire = []
         for e in events:
-            if e.kind == "stored" and e.block_hashes:
+            hashes = [] if e.is_cleared else [external_block_hash(h) for h in e.block_hashes]
+            if e.kind == "stored" and hashes:
+                parent = e.parent_block_hash
                 wire.append(BlockStored(
-                    e.block_hashes, e.parent_block_hash,
+                    hashes, None if parent is None else external_block_hash(parent),
                     e.token_ids if self.config.include_token_ids else (),
-                    e.block_size or self.block_size, extra_keys=self._extra_keys(e)))
+                    e.block_size or self.block_size, medium=MEDIUM_GPU,
+                    extra_keys=self._extra_keys(e), group_idx=0,
+                    kv_cache_spec_kind=FULL_ATTENTION))
             elif e.kind == "removed" and e.is_cleared:
                 wire.append(AllBlocksCleared())
-            elif e.kind == "removed" and e.block_hashes:
-                wire.append(BlockRemoved(e.block_hashes))
-        return KVEventBatch(ts, wire)
+            elif e.kind == "removed" and hashes:
+                wire.append(BlockRemoved(hashes, medium=MEDIUM_GPU, group_idx=0))
+        # NOTE: vLLM's publisher stamps every batch with its data-parallel rank; corekv has one.
+        return KVEventBatch(ts, wire, data_parallel_rank=0)
 
     @staticmethod
-    def _extra_keys(event: Any) -> list | None:
-        """vLLM's place for a chain's tenant: the first block's extra keys hold the salt's key.
+    def _extra_keys(event: Any) -> list:
+        """One entry per block, as vLLM's pool sends them: ``None``, except that the first block
+        of a salted chain holds the tenant's key, where vLLM puts the salt.
 
-        NOTE: only a run that starts the chain carries it; a run continuing a chain belongs to
-        the tenant of its parent block, which a consumer already knows. The key is a digest of
-        the salt, not the salt (see corekv.kv_event_wire.cache_salt_key for why)."""
+        NOTE: only a run that starts the chain carries it (vLLM: the block at token 0); a run
+        continuing a chain belongs to the tenant of its parent block, which a consumer already
+        knows. The key is a digest of the salt, not the salt (see
+        corekv.kv_event_wire.cache_salt_key for why)."""
         from corekv.kv_event_wire import cache_salt_key
 
+        keys: list = [None] * len(event.block_hashes)
         key = cache_salt_key(event.cache_salt) if event.parent_block_hash is None else None
-        if key is None:
-            return None
-        return [(key,)] + [None] * (len(event.block_hashes) - 1)
+        if key is not None:
+            keys[0] = (key,)
+        return keys
 
     def _open(self, kind: int, endpoint: str, field: str, bind: bool | None = None,
               send_hwm: int | None = None):

@@ -1,8 +1,8 @@
 """The ``kv_events`` plugin on a real engine (the tiny random Llama, loaded from its model folder).
 
 ``RawReader`` is an independent consumer written with plain ``zmq`` + ``msgpack`` only, as a
-vLLM-events router reads the stream: it checks the bytes on the wire (multipart frames, array
-layout, tags first, fields in vLLM's order), not what corekv's own decoder makes of them. A
+vLLM-events router reads the stream: it checks the bytes on the wire (multipart frames, vLLM 0.32's
+layout: an array batch of tagged event maps), not what corekv's own decoder makes of them. A
 reader knows it has everything the engine published so far when the batch of a fresh "probe"
 prompt it warmed arrives (a PUB socket keeps order); the first probes also wait out ZMQ's slow
 joiner (a SUB socket misses what is sent before its subscription reaches the publisher), so a
@@ -30,7 +30,7 @@ from corekv.engine.llm_engine import Engine  # noqa: E402
 from corekv.engine.sampling import SamplingParams  # noqa: E402
 from corekv.errors import ConfigError  # noqa: E402
 from corekv.kv_event_subscriber import KVEventSubscriber  # noqa: E402
-from corekv.kv_event_wire import cache_salt_key, decode_batch  # noqa: E402
+from corekv.kv_event_wire import cache_salt_key, decode_batch, external_block_hash  # noqa: E402
 from corekv.plugins.kv_event_publisher import KVEventPublisher, publisher_for  # noqa: E402
 from corekv.router.workers import Worker  # noqa: E402
 
@@ -76,15 +76,17 @@ class RawReader:
             self.num_probes += 1
             probe = [4, 5, 6, self.num_probes % 250 + 3, self.num_probes // 250 + 3] + [9] * (BS - 5)
             engine.warm(probe + [1], pin=False)
-            probe_hash = engine.prefix_key(probe).block_hashes[0]
+            probe_hash = external_block_hash(engine.prefix_key(probe).block_hashes[0])
             while self.sub.poll(1000):
                 topic, seq_bytes, payload = self.sub.recv_multipart()
                 assert len(seq_bytes) == 8
                 seq, batch = int.from_bytes(seq_bytes, "big"), msgpack.unpackb(payload)
                 self.seqs.append(seq)
-                if any(e[0] == "BlockStored" and e[1][0] == probe_hash for e in batch[1]):
+                if any(e["type"] == "BlockStored" and e["block_hashes"][0] == probe_hash
+                       for e in batch[1]):
                     return got
-                if not any(e[0] == "BlockStored" and e[3][:3] == [4, 5, 6] for e in batch[1]):
+                if not any(e["type"] == "BlockStored" and e["token_ids"][:3] == [4, 5, 6]
+                           for e in batch[1]):
                     got.append((topic, seq, batch, payload))
         raise AssertionError("the probe batch never arrived")
 
@@ -92,8 +94,8 @@ class RawReader:
         self.ctx.destroy(linger=0)
 
 
-def replay(endpoint: str, start: int) -> list[tuple[int, bytes]]:
-    """Ask a replay socket for batches from ``start`` (vLLM's protocol, a DEALER here)."""
+def replay(endpoint: str, start: int, topic: bytes = b"") -> list[tuple[int, bytes]]:
+    """Ask a replay socket for batches from ``start`` (vLLM 0.32's protocol, a DEALER here)."""
     ctx = zmq.Context()
     try:
         dealer = ctx.socket(zmq.DEALER)
@@ -102,28 +104,35 @@ def replay(endpoint: str, start: int) -> list[tuple[int, bytes]]:
         frames = []
         while True:
             assert dealer.poll(10_000), "the replay socket did not answer"
-            empty, seq_bytes, payload = dealer.recv_multipart()
+            empty, reply_topic, seq_bytes, payload = dealer.recv_multipart()
             assert empty == b""
             if seq_bytes == END:
-                assert payload == b""
+                assert (reply_topic, payload) == (b"", b"")
                 return frames
+            assert reply_topic == topic
             frames.append((int.from_bytes(seq_bytes, "big"), payload))
     finally:
         ctx.destroy(linger=0)
 
 
 def events_of(messages, tag):
-    return [e for _, _, batch, _ in messages for e in batch[1] if e[0] == tag]
+    return [e for _, _, batch, _ in messages for e in batch[1] if e["type"] == tag]
 
 
-def all_stored_hashes(publisher) -> set[bytes]:
+def all_stored_hashes(publisher) -> set[int]:
     """Every block hash the publisher has sent in a BlockStored (its replay buffer from seq 0)."""
     return {h for _, payload in replay(publisher.replay_endpoint, 0)
-            for e in msgpack.unpackb(payload)[1] if e[0] == "BlockStored" for h in e[1]}
+            for e in msgpack.unpackb(payload)[1] if e["type"] == "BlockStored"
+            for h in e["block_hashes"]}
+
+
+def published(hashes) -> list[int]:
+    """corekv chain hashes as the events name them (vLLM's default 64-bit ints)."""
+    return [external_block_hash(h) for h in hashes]
 
 
 @pytest.mark.parametrize("backend", ["hash_blocks", "radix"])
-def test_a_prompt_is_published_as_block_stored_in_vllm_layout_with_its_chain(tiny, backend):
+def test_a_prompt_is_published_as_block_stored_in_vllm_0_32_layout_with_its_chain(tiny, backend):
     with make_engine(tiny, backend) as engine:
         reader = RawReader(publisher_for(engine).endpoint)
         reader.sync(engine)
@@ -131,19 +140,26 @@ def test_a_prompt_is_published_as_block_stored_in_vllm_layout_with_its_chain(tin
         engine.generate(ids, GREEDY)
         messages = reader.sync(engine)
         reader.close()
-    for topic, _, batch, _ in messages:
-        assert topic == b"" and len(batch) == 2 and isinstance(batch[0], float)
+    for topic, _, batch, _ in messages:   # [ts, events, data_parallel_rank], as vLLM's publisher
+        assert topic == b"" and len(batch) == 3 and isinstance(batch[0], float) and batch[2] == 0
     stored = events_of(messages, "BlockStored")
-    for tag, hashes, parent, token_ids, block_size, lora_id, medium in stored:
-        assert all(isinstance(h, bytes) and len(h) == 16 for h in hashes)
-        assert (block_size, lora_id, medium) == (BS, None, None)
-        assert len(token_ids) == BS * len(hashes)
+    for event in stored:
+        hashes = event["block_hashes"]
+        assert list(event) == ["type", "block_hashes", "parent_block_hash", "token_ids",
+                               "block_size", "lora_id", "medium", "lora_name", "extra_keys",
+                               "group_idx", "kv_cache_spec_kind"]
+        assert all(isinstance(h, int) and 0 <= h < 2**64 for h in hashes)
+        assert (event["block_size"], event["lora_id"], event["medium"], event["lora_name"]) == \
+            (BS, None, "GPU", None)                   # what vLLM's device pool sends
+        assert (event["group_idx"], event["kv_cache_spec_kind"]) == (0, "full_attention")
+        assert event["extra_keys"] == [None] * len(hashes)
+        assert len(event["token_ids"]) == BS * len(hashes)
     key = engine.prefix_key(ids)
-    assert [h for e in stored for h in e[1]] == key.block_hashes
-    assert [t for e in stored for t in e[3]] == ids[:4 * BS]
-    assert stored[0][2] is None                       # the chain's first block has no parent
-    for before, after in zip(stored, stored[1:]):
-        assert after[2] == before[1][-1]              # each run continues the one before
+    assert [h for e in stored for h in e["block_hashes"]] == published(key.block_hashes)
+    assert [t for e in stored for t in e["token_ids"]] == ids[:4 * BS]
+    assert stored[0]["parent_block_hash"] is None     # the chain's first block has no parent
+    for before, after in zip(stored, stored[1:]):     # each run continues the one before
+        assert after["parent_block_hash"] == before["block_hashes"][-1]
     assert reader.seqs == list(range(reader.seqs[0], reader.seqs[0] + len(reader.seqs)))
 
 
@@ -158,8 +174,9 @@ def test_a_prompt_sharing_a_cached_prefix_publishes_only_its_new_blocks_with_the
         engine.generate(second, GREEDY)
         [event] = events_of(reader.sync(engine), "BlockStored")
         reader.close()
-    hashes = engine.prefix_key(second).block_hashes
-    assert event[1:5] == [hashes[2:4], hashes[1], second[2 * BS:4 * BS], BS]
+    hashes = published(engine.prefix_key(second).block_hashes)
+    assert (event["block_hashes"], event["parent_block_hash"], event["token_ids"]) == \
+        (hashes[2:4], hashes[1], second[2 * BS:4 * BS])
 
 
 @pytest.mark.parametrize("backend", ["hash_blocks", "radix"])
@@ -177,9 +194,10 @@ def test_evicted_blocks_are_published_as_block_removed(tiny, backend):
         # subscription took effect is evicted here too, and its BlockStored is on no live reader
         stored_hashes = all_stored_hashes(publisher_for(engine))
     removed = events_of(messages, "BlockRemoved")
-    assert removed and all(len(e) == 3 and e[2] is None for e in removed)
-    removed_hashes = {h for e in removed for h in e[1]}
-    assert set(engine.prefix_key(first).block_hashes) <= removed_hashes
+    assert removed and all(list(e) == ["type", "block_hashes", "medium", "group_idx"] and
+                           (e["medium"], e["group_idx"]) == ("GPU", 0) for e in removed)
+    removed_hashes = {h for e in removed for h in e["block_hashes"]}
+    assert set(published(engine.prefix_key(first).block_hashes)) <= removed_hashes
     assert removed_hashes <= stored_hashes            # only what was published as stored
 
 
@@ -220,16 +238,16 @@ def test_equal_prompts_of_two_tenants_publish_apart_and_the_router_keeps_them_ap
         view = worker.state()["cache_view"], worker.events_tree.stats()["namespaces"]
         matched = {salt: worker.match(ids, salt) for salt in (*salts, "tenant-c")}
         worker.stop_events(wait=True)
-        hashes = [engine.prefix_key(ids, salt).block_hashes for salt in salts]
+        hashes = [published(engine.prefix_key(ids, salt).block_hashes) for salt in salts]
     loop.close()
     stored = events_of(messages, "BlockStored")
-    assert [e[1] for e in stored] == hashes
-    assert len({h for e in stored for h in e[1]}) == 6          # no two tenants share a hash
-    assert all(e[2] is None and e[3] == ids[:2 * BS] for e in stored)
+    assert [e["block_hashes"] for e in stored] == hashes
+    assert len({h for e in stored for h in e["block_hashes"]}) == 6   # no two tenants share a hash
+    assert all(e["parent_block_hash"] is None and e["token_ids"] == ids[:2 * BS] for e in stored)
     unsalted, *salted = stored
-    assert len(unsalted) == 7                                    # no extra keys without a salt
-    for event, salt in zip(salted, salts[1:]):
-        assert event[7:] == [None, [[cache_salt_key(salt)], None]]   # lora_name, extra_keys
+    assert unsalted["extra_keys"] == [None, None]                # no extra keys without a salt
+    for event, salt in zip(salted, salts[1:]):   # where vLLM puts the salt, corekv its digest
+        assert event["extra_keys"] == [[cache_salt_key(salt)], None]
     assert not any(salt.encode() in payload for *_, payload in messages for salt in salts[1:])
     # the router's view of the same stream: one namespace per tenant (the probes are unsalted),
     # and each tenant's prompt matches its own blocks only
@@ -252,10 +270,12 @@ def test_without_token_ids_blocks_are_named_by_hash_and_the_router_routes_on_pro
         key = engine.prefix_key(ids, "tenant-a")
     loop.close()
     stored = events_of(messages, "BlockStored")
-    assert stored and all(e[3] == [] for e in stored)           # probes included
-    [event] = [e for e in stored if e[1][0] == key.block_hashes[0]]
-    assert event[1:5] == [key.block_hashes, None, [], BS]
-    assert event[8] == [[cache_salt_key("tenant-a")], None]     # tenants are still told apart
+    assert stored and all(e["token_ids"] == [] for e in stored)   # probes included
+    hashes = published(key.block_hashes)
+    [event] = [e for e in stored if e["block_hashes"][0] == hashes[0]]
+    assert (event["block_hashes"], event["parent_block_hash"], event["block_size"]) == \
+        (hashes, None, BS)
+    assert event["extra_keys"] == [[cache_salt_key("tenant-a")], None]   # tenants still apart
     assert worker.subscriber is None and worker.state()["cache_view"] == "routed_prompts"
 
 
@@ -298,7 +318,7 @@ def test_a_reset_is_published_as_all_blocks_cleared(tiny):
         engine.step()            # nothing to run: the step only publishes the reset
         messages = reader.sync(engine)
         reader.close()
-    assert [batch[1] for _, _, batch, _ in messages] == [[["AllBlocksCleared"]]]
+    assert [batch[1] for _, _, batch, _ in messages] == [[{"type": "AllBlocksCleared"}]]
 
 
 def test_a_reset_before_new_blocks_in_one_step_is_published_before_them(tiny):
@@ -307,7 +327,7 @@ def test_a_reset_before_new_blocks_in_one_step_is_published_before_them(tiny):
         reader.sync(engine)
         engine.backend.reset()
         engine.generate(prompt(2 * BS + 1, start=0), GREEDY)
-        tags = [e[0] for _, _, batch, _ in reader.sync(engine) for e in batch[1]]
+        tags = [e["type"] for _, _, batch, _ in reader.sync(engine) for e in batch[1]]
         reader.close()
     assert tags.index("AllBlocksCleared") < tags.index("BlockStored")
 
@@ -321,8 +341,8 @@ def test_prefixes_pinned_at_startup_are_published(tiny):
     with Engine(config, model=tiny) as engine:
         frames = replay(publisher_for(engine).replay_endpoint, 0)
     events = [e for _, payload in frames for e in msgpack.unpackb(payload)[1]]
-    assert [h for e in events if e[0] == "BlockStored" for h in e[1]] == \
-        engine.prefix_key(pinned).block_hashes
+    assert [h for e in events if e["type"] == "BlockStored" for h in e["block_hashes"]] == \
+        published(engine.prefix_key(pinned).block_hashes)
 
 
 def test_a_late_subscriber_gets_missed_batches_from_the_replay_socket(tiny):
@@ -478,14 +498,16 @@ def test_kv_event_subscriber_sees_a_publisher_restart_and_starts_over_from_zero(
     assert received[restarts[0]:] == list(range(0, reader.seqs[-1] + 1))
 
 
-def test_the_topic_is_the_first_frame(tiny):
+def test_the_topic_is_the_first_frame_live_and_in_replay_replies(tiny):
     with make_engine(tiny, "radix", topic="kv@engine-1") as engine:
         reader = RawReader(publisher_for(engine).endpoint, topic=b"kv@engine-1")
         reader.sync(engine)
         engine.generate(prompt(BS + 1, start=0), GREEDY)
         messages = reader.sync(engine)
         reader.close()
+        replayed = replay(publisher_for(engine).replay_endpoint, 0, topic=b"kv@engine-1")
     assert messages and {topic for topic, *_ in messages} == {b"kv@engine-1"}
+    assert {(seq, payload) for _, seq, _, payload in messages} <= set(replayed)
 
 
 def test_a_full_queue_drops_batches_without_blocking_and_their_numbers_show_the_gap():
@@ -508,7 +530,7 @@ def test_a_full_queue_drops_batches_without_blocking_and_their_numbers_show_the_
     frames = []
     for _ in range(200):   # replay what has been sent so far, until the marker is among it
         frames += replay(publisher.replay_endpoint, frames[-1][0] + 1 if frames else 0)
-        if frames and msgpack.unpackb(frames[-1][1])[1] == [["BlockRemoved", [b"\xff" * 16], None]]:
+        if frames and msgpack.unpackb(frames[-1][1])[1][0]["block_hashes"] == [2**64 - 1]:
             break
         threading.Event().wait(0.05)
     publisher.close()
