@@ -7,8 +7,10 @@ import pytest
 
 os.environ.setdefault("COREKV_DISABLE_PLUGIN_AUTOLOAD", "1")
 
-# tests/vllm runs under the vLLM venv's python (.ci/run); the main venv has no vllm
-collect_ignore = [] if importlib.util.find_spec("vllm") else ["vllm"]
+# tests/vllm runs under the vLLM venv's python (.ci/run); the main venv has no vllm. NOTE: the
+# folder tests/vllm itself is found as a namespace package "vllm" (no origin), not the library.
+_vllm = importlib.util.find_spec("vllm")
+collect_ignore = [] if _vllm is not None and _vllm.origin else ["vllm"]
 
 # a real redis-server on a free loopback port per test (fails, not skips, when CI=true and absent)
 from redis_server import redis_server  # noqa: E402,F401  (fixture)

@@ -24,6 +24,8 @@ def vllm_env(scratch: Path, **extra: str) -> dict[str, str]:
         "VLLM_CACHE_ROOT": str(scratch / "vllm-cache"),
         "TORCHINDUCTOR_CACHE_DIR": str(scratch / "vllm-cache" / "inductor"),
         "COREKV_DISABLE_PLUGIN_AUTOLOAD": "1",
+        "TMPDIR": str(scratch / "tmp"),  # vLLM's ZMQ socket files
     })
+    (scratch / "tmp").mkdir(parents=True, exist_ok=True)
     env.update(extra)
     return env

@@ -5,15 +5,51 @@ connector is loaded with it; absent: plain vLLM), ``connector`` (another connect
 vLLM's, e.g. ``ExampleConnector``, with ``extra_config``), ``requests`` (each ``prompt`` text or
 ``prompt_token_ids``, optional ``cache_salt``, ``max_tokens``), ``repeat`` (runs of every
 request, 1), ``reset_between`` (reset vLLM's prefix cache before every request, so only the
-tiers can serve it), ``kv_events`` (``{"endpoint", "topic"}``).
+tiers can serve it), ``pause`` (seconds before each reset), ``kv_events`` (``{"endpoint",
+"topic"}``: the events are also received here and written to OUT).
 OUT: per run of each request its output ``token_ids``, ``num_cached_tokens``, ``prompt_len`` and
-``seconds`` (generate wall time), and ``init_seconds``.
+``seconds`` (generate wall time), ``init_seconds``, and ``events`` (``[type, medium, num hashes]``
+of every event received, when ``kv_events`` is given).
 """
 from __future__ import annotations
 
 import json
+import os
+import subprocess
 import sys
+import threading
 import time
+from pathlib import Path
+
+
+def run_vllm(spec: dict, folder: Path, scratch: Path, *, multiprocess: bool = False,
+             timeout: float = 600) -> tuple[dict, str]:
+    """Run ``spec`` in a fresh vLLM process (the engine core in it, or with ``multiprocess`` in
+    vLLM's own engine-core and worker processes); returns OUT and the process's log."""
+    from vllm_env import vllm_env
+
+    folder.mkdir(parents=True, exist_ok=True)
+    spec_path, out_path = folder / "spec.json", folder / "out.json"
+    spec_path.write_text(json.dumps(spec))
+    env = vllm_env(scratch, VLLM_ENABLE_V1_MULTIPROCESSING="1" if multiprocess else "0")
+    done = subprocess.run([sys.executable, os.path.abspath(__file__), str(spec_path), str(out_path)], env=env,
+                          capture_output=True, text=True, timeout=timeout)
+    log = done.stdout + done.stderr
+    if done.returncode != 0:
+        raise AssertionError(f"vLLM run failed ({done.returncode}):\n{log[-6000:]}")
+    return json.loads(out_path.read_text()), log
+
+
+def receive_events(endpoint: str, frames: list, stop: threading.Event) -> None:
+    import zmq
+
+    sock = zmq.Context.instance().socket(zmq.SUB)
+    sock.connect(endpoint)
+    sock.setsockopt(zmq.SUBSCRIBE, b"")
+    while not stop.is_set():
+        if sock.poll(50):
+            frames.append(sock.recv_multipart())
+    sock.close(0)
 
 
 def main() -> None:
@@ -33,6 +69,10 @@ def main() -> None:
         kwargs["kv_events_config"] = KVEventsConfig(enable_kv_cache_events=True, publisher="zmq",
                                                     endpoint=spec["kv_events"]["endpoint"],
                                                     topic=spec["kv_events"].get("topic", "kv"))
+    frames, stop = [], threading.Event()
+    if spec.get("kv_events"):
+        receiver = threading.Thread(target=receive_events, args=(spec["kv_events"]["endpoint"], frames, stop))
+        receiver.start()
     start = time.perf_counter()
     llm = LLM(model=spec["model"], dtype="float32", block_size=spec.get("block_size", 32),
               max_model_len=spec.get("max_model_len", 4096), seed=0, enforce_eager=True, **kwargs)
@@ -52,7 +92,19 @@ def main() -> None:
             (out,) = llm.generate([prompt], params, use_tqdm=False)
             results.append({"token_ids": list(out.outputs[0].token_ids), "num_cached_tokens": out.num_cached_tokens,
                             "prompt_len": len(out.prompt_token_ids), "seconds": time.perf_counter() - start})
-    json.dump({"init_seconds": init_seconds, "runs": results}, open(sys.argv[2], "w"))
+    events = []
+    if spec.get("kv_events"):
+        import msgspec
+        from vllm.distributed.kv_events import KVEventBatch
+
+        time.sleep(1.0)
+        stop.set()
+        receiver.join()
+        decoder = msgspec.msgpack.Decoder(type=KVEventBatch)
+        for _, _, payload in frames:
+            events += [[type(e).__name__, getattr(e, "medium", None), len(getattr(e, "block_hashes", None) or [])]
+                       for e in decoder.decode(payload).events]
+    json.dump({"init_seconds": init_seconds, "runs": results, "events": events}, open(sys.argv[2], "w"))
 
 
 if __name__ == "__main__":

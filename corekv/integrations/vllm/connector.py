@@ -14,6 +14,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1
 from corekv.integrations.vllm.metadata import StepPlan, StepReport
 from corekv.integrations.vllm.scheduler import SchedulerSide
 from corekv.integrations.vllm.settings import read_settings
+from corekv.integrations.vllm.shared_tiers import has_worker, worker_started
 from corekv.integrations.vllm.worker import WorkerSide
 
 if TYPE_CHECKING:
@@ -52,12 +53,14 @@ class CoreKVConnector(KVConnectorBase_V1):
         self._scheduler: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
         if role == KVConnectorRole.SCHEDULER:
-            same_process = vllm_config.parallel_config.distributed_executor_backend == "uni"
+            same_process = has_worker() or vllm_config.parallel_config.distributed_executor_backend == "uni"
             self._scheduler = SchedulerSide(settings, same_process=same_process)
         else:
             self._worker = WorkerSide(settings, num_blocks=kv_cache_config.num_blocks)
-        logger.info("corekv connector (%s): block size %d, fingerprint %s, config %s", role.name,
-                    settings.block_size, settings.fingerprint[:12], settings.config_path)
+            worker_started()
+        logger.info("corekv connector (%s): block size %d, fingerprint %s, config %s, executor %s", role.name,
+                    settings.block_size, settings.fingerprint[:12], settings.config_path,
+                    vllm_config.parallel_config.distributed_executor_backend)
 
     @property
     def requires_kv_delivery(self) -> bool:

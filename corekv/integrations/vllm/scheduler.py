@@ -34,7 +34,7 @@ from vllm.v1.core.kv_cache_utils import generate_block_hash_extra_keys, maybe_co
 from corekv.hashing import PrefixKey
 from corekv.integrations.vllm.metadata import BlockLoad, BlockSave, StepPlan, StepReport
 from corekv.integrations.vllm.settings import ConnectorSettings
-from corekv.integrations.vllm.shared_tiers import open_tiers, release_tiers
+from corekv.integrations.vllm.shared_tiers import open_tiers, release_tiers, scheduler_started
 from corekv.offload import lookup_runs
 
 __all__ = ["SchedulerSide"]
@@ -83,6 +83,7 @@ class SchedulerSide:
         self._in_flight: OrderedDict[bytes, float] = OrderedDict()
         self._events: list = []
         self.counters: Counter[str] = Counter()
+        scheduler_started(self)
 
     # ---------------------------------------------------------------- lookups and admission
     def _key(self, request) -> PrefixKey | None:
@@ -166,6 +167,9 @@ class SchedulerSide:
             request = state.request
             if len(state.key.token_ids) < request.num_tokens:
                 state.key.extend(request.all_token_ids[len(state.key.token_ids):])
+            if request.num_computed_tokens < state.num_done * self.block_size:
+                # vLLM rolled the request back to recompute blocks that did not load: save them again
+                state.num_done = request.num_computed_tokens // self.block_size
             num_full = min((request.num_computed_tokens + num_scheduled) // self.block_size, len(state.block_ids))
             if num_full > state.num_done:
                 if not self.min_hits:
@@ -234,6 +238,12 @@ class SchedulerSide:
             for h in hashes:
                 self._event_fields.pop(h, None)
                 self._in_flight.pop(h, None)
+
+    def unsent_saves(self) -> StepPlan:
+        """The saves planned for a step that has not been built (for the worker's shutdown)."""
+        plan = StepPlan(saves=self._plan.saves)
+        self._plan.saves = []
+        return plan
 
     def take_events(self) -> list:
         events, self._events = self._events, []

@@ -64,6 +64,11 @@ class ConnectorSettings:
     fingerprint: str
 
     @property
+    def store_key(self) -> tuple[str, str]:
+        """Names the tiers: the same config file for the same model (see :mod:`.shared_tiers`)."""
+        return (self.config_path, self.fingerprint)
+
+    @property
     def block_bytes(self) -> int:
         return self.num_layers * self.page_bytes
 

@@ -19,8 +19,9 @@ from corekv.hashing import PrefixKey
 from corekv.integrations.vllm.metadata import StepPlan, StepReport
 from corekv.integrations.vllm.paged_kv import PagedKV
 from corekv.integrations.vllm.settings import ConnectorSettings
-from corekv.integrations.vllm.shared_tiers import open_tiers, release_tiers
+from corekv.integrations.vllm.shared_tiers import local_schedulers, open_tiers, release_tiers
 from corekv.offload import Offload
+from corekv.offload.tier_calls import safe_tier_call
 
 __all__ = ["WorkerSide"]
 logger = logging.getLogger(__name__)
@@ -83,14 +84,20 @@ class WorkerSide:
             return
         for load in plan.loads:
             stop = load.start + len(load.block_ids)
-            loaded = self.offload.load(load.req_id, self._key(load.token_ids, load.namespace), load.start, stop,
-                                       load.block_ids)
+            key = self._key(load.token_ids, load.namespace)
+            loaded = self.offload.load(load.req_id, key, load.start, stop, load.block_ids)
             num = sum(loaded.values())
             self.counters["loaded_blocks"] += num
             if num < len(load.block_ids):
                 failed = load.block_ids[num:]
                 self._load_errors.update(failed)
                 self.counters["load_errors"] += len(failed)
+                # NOTE: vLLM recomputes these blocks and the scheduler saves them again; their
+                # entries go first, since a damaged entry after the first would otherwise stay
+                # (a write skips keys a tier holds) and fail the next load too.
+                stale = key.block_hashes[load.start + num:stop]
+                for tier in self.offload.tiers:
+                    safe_tier_call(lambda: tier.delete(stale), None, tier, "delete")
                 logger.warning("corekv connector: %d of %d blocks of request %s did not load (entry rejected "
                                "or gone); vLLM recomputes them", len(failed), len(load.block_ids), load.req_id)
 
@@ -120,6 +127,9 @@ class WorkerSide:
 
     def close(self) -> None:
         if self.offload is not None:
+            for scheduler in local_schedulers():
+                if scheduler.settings.store_key == self.settings.store_key:
+                    self.save(scheduler.unsent_saves())
             self.offload.close()
             self.offload = None
             release_tiers(self.settings)
