@@ -160,3 +160,19 @@ def test_a_redis_tier_serves_vllm(reference, redis_server, vllm_model, vllm_scra
     for ref, run in zip(reference[:2] * 2, out["runs"][:2] + out["runs"][2:]):
         assert run["token_ids"] == ref["token_ids"]
     assert [r["num_cached_tokens"] for r in out["runs"][2:]] == [full_blocks(r["prompt_len"]) for r in reference[:2]]
+
+
+def test_a_host_tier_with_write_through_and_offload_min_hits_in_one_process(reference, vllm_model, vllm_scratch,
+                                                                            tmp_path):
+    """One process (the scheduler sees the worker's host tier); ``offload_min_hits: 1``: a block
+    reaches the tier only after vLLM's prefix cache served it once."""
+    config = tmp_path / "cache.yaml"
+    config.write_text(json.dumps({"cache": {"write_policy": "write_through", "offload_min_hits": 1,
+                                            "tiers": [{"type": "host", "size": "512MiB"}]}}))
+    req = REQUESTS[0]
+    runs = [dict(req, reset=True), dict(req, reset=True), dict(req), dict(req, reset=True)]
+    out, _ = run_vllm({"model": str(vllm_model), "config": str(config), "requests": runs}, tmp_path, vllm_scratch)
+    full = full_blocks(reference[0]["prompt_len"])
+    # never hit on the device: not offloaded; then a device hit qualifies every block; then the tier serves
+    assert [r["num_cached_tokens"] for r in out["runs"]] == [0, 0, full, full]
+    assert all(r["token_ids"] == reference[0]["token_ids"] for r in out["runs"])

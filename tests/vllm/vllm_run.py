@@ -84,7 +84,7 @@ def main() -> None:
                       else {"prompt": req["prompt"]})
             if req.get("cache_salt"):
                 prompt["cache_salt"] = req["cache_salt"]
-            if spec.get("reset_between"):
+            if spec.get("reset_between") or req.get("reset"):
                 time.sleep(spec.get("pause", 0))
                 llm.reset_prefix_cache()
             params = SamplingParams(temperature=0.0, max_tokens=req.get("max_tokens", 16))
