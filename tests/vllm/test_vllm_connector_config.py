@@ -11,6 +11,7 @@ import torch
 from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, SlidingWindowSpec
 
 from corekv.errors import ConfigError
+from corekv.integrations.vllm.connector import CoreKVConnector
 from corekv.integrations.vllm.settings import read_settings
 
 
@@ -104,3 +105,10 @@ def test_the_fingerprint_changes_with_the_weights_config_dtype_and_block_layout(
     assert read_settings(vllm_config(model_dir, extra), kv_cache_config(bf16)).fingerprint != base
     named = read_settings(vllm_config(model_dir, {**extra, "fingerprint": "smollm2@v1"}), kv_cache_config())
     assert named.fingerprint != base and named.block_shape == (30, 32 * 3 * 64 * 2 * 4)
+
+
+def test_the_workers_counters_reach_vllms_stats_summed():
+    stats = CoreKVConnector.build_kv_connector_stats({"loaded_blocks": 3, "load_errors": 1})
+    stats.aggregate(CoreKVConnector.build_kv_connector_stats({"loaded_blocks": 2, "saved_blocks": 5}))
+    assert stats.reduce() == {"loaded_blocks": 5, "load_errors": 1, "saved_blocks": 5}
+    assert not stats.is_empty() and CoreKVConnector.build_kv_connector_stats({}).is_empty()

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, KVConnectorRole
 
-from corekv.integrations.vllm.metadata import StepPlan, StepReport
+from corekv.integrations.vllm.metadata import CoreKVStats, StepPlan, StepReport
 from corekv.integrations.vllm.scheduler import SchedulerSide
 from corekv.integrations.vllm.settings import read_settings
 from corekv.integrations.vllm.shared_tiers import has_worker, worker_started
@@ -110,6 +110,14 @@ class CoreKVConnector(KVConnectorBase_V1):
 
     def build_connector_worker_meta(self) -> StepReport | None:
         return self._worker.report()
+
+    def get_kv_connector_stats(self) -> CoreKVStats | None:
+        counters = self._worker.take_counters() if self._worker is not None else {}
+        return CoreKVStats(data=counters) if counters else None
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> CoreKVStats:
+        return CoreKVStats(data=dict(data or {}))
 
     def shutdown(self) -> None:
         for side in (self._worker, self._scheduler):

@@ -5,8 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata, KVConnectorWorkerMetadata
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 
-__all__ = ["BlockLoad", "BlockSave", "StepPlan", "StepReport"]
+__all__ = ["BlockLoad", "BlockSave", "CoreKVStats", "StepPlan", "StepReport"]
 
 
 @dataclass
@@ -55,3 +56,24 @@ class StepReport(KVConnectorWorkerMetadata):
         for name, hashes in other.stored.items():
             merged.setdefault(name, []).extend(hashes)
         return StepReport(stored=merged)
+
+
+@dataclass
+class CoreKVStats(KVConnectorStats):
+    """The worker's counters since the last report (blocks loaded, blocks that failed to load,
+    blocks offered for saving), summed by vLLM's stats logger and shown in its KV-transfer log
+    lines and metrics."""
+
+    def reset(self) -> None:
+        self.data = {}
+
+    def aggregate(self, other: KVConnectorStats) -> "CoreKVStats":
+        for name, value in other.data.items():
+            self.data[name] = self.data.get(name, 0) + value
+        return self
+
+    def reduce(self) -> dict[str, int | float]:
+        return dict(self.data)
+
+    def is_empty(self) -> bool:
+        return not any(self.data.values())

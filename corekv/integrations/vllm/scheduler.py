@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections import Counter, OrderedDict
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -82,7 +82,6 @@ class SchedulerSide:
         #: blocks queued for writing and not yet reported stored: when they were queued
         self._in_flight: OrderedDict[bytes, float] = OrderedDict()
         self._events: list = []
-        self.counters: Counter[str] = Counter()
         scheduler_started(self)
 
     # ---------------------------------------------------------------- lookups and admission
@@ -107,8 +106,7 @@ class SchedulerSide:
         if first + found < limit and self._is_in_flight(key.block_hashes[first + found]):
             return None
         self._lookups[request.request_id] = (key, num_computed_tokens, found)
-        self.counters["lookups"] += 1
-        logger.info("lookup %s: device %d tokens, tiers %d blocks from block %d", request.request_id,
+        logger.debug("lookup %s: device %d tokens, tiers %d blocks from block %d", request.request_id,
                      num_computed_tokens, found, first)
         return (first + found) * self.block_size - num_computed_tokens if found else 0
 
@@ -127,7 +125,6 @@ class SchedulerSide:
             stop = num_device + num_loaded
             self._plan.loads.append(BlockLoad(request.request_id, key.token_ids[:stop * self.block_size],
                                               key.namespace, num_device, state.block_ids[num_device:stop]))
-            self.counters["loaded_blocks"] += num_loaded
         if self.min_hits and num_device:
             self._count_device_hits(state, num_device)
 
@@ -199,7 +196,6 @@ class SchedulerSide:
         tokens = state.key.token_ids[:(indices[-1] + 1) * self.block_size]
         self._plan.saves.append(BlockSave(state.request.request_id, tokens, state.key.namespace, indices,
                                           [state.block_ids[i] for i in indices], finished=finished))
-        self.counters["saved_blocks"] += len(indices)
         now, hashes = time.monotonic(), state.key.block_hashes
         for i in indices:
             self._in_flight[hashes[i]] = now

@@ -122,8 +122,10 @@ class WorkerSide:
         stored = self._stored.take()
         return StepReport(stored=stored) if stored else None
 
-    def stats(self) -> dict[str, dict[str, int]]:
-        return self.offload.stats() if self.offload is not None else {}
+    def take_counters(self) -> dict[str, int]:
+        """The counters since the last call (for vLLM's stats)."""
+        counters, self.counters = dict(self.counters), Counter()
+        return counters
 
     def close(self) -> None:
         if self.offload is not None:
