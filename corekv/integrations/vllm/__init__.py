@@ -10,7 +10,11 @@ Modules: :mod:`.settings` (the config and the model fingerprint), :mod:`.schedul
 the step plan, events), :mod:`.worker` (loads and saves through :class:`corekv.offload.Offload`),
 :mod:`.paged_kv` (vLLM's KV tensors as a pool of blocks), :mod:`.shared_tiers` (one set of tiers
 per process), :mod:`.metadata` (what the two sides tell each other).
+
+``CoreKVConnector`` is imported on first use, so :mod:`.paged_kv` and :mod:`.settings`' helpers
+import without vLLM.
 """
-from corekv.integrations.vllm.connector import CoreKVConnector
+from corekv._lazy import lazy_getattr
 
 __all__ = ["CoreKVConnector"]
+__getattr__ = lazy_getattr(__name__, {"CoreKVConnector": "corekv.integrations.vllm.connector"})
