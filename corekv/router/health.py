@@ -2,17 +2,18 @@
 
 A worker that refuses the connection, or fails two checks in a row, leaves the rotation (and
 its cache view is dropped); one that passes again rejoins with its ``GET /admin/info`` read again
-and its KV events subscribed again. With a ``worker_api_key``, every request to a worker (these
+(a vLLM server does not serve it: the worker is then of kind ``vllm``) and its KV events
+subscribed again. With a ``worker_api_key``, every request to a worker (these
 checks and the forwarded requests alike) presents it as ``Authorization: Bearer <key>``.
 """
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
-from corekv.router.workers import Worker
+from corekv.router.workers import EventEndpoints, Worker
 from corekv.server.auth import bearer_headers
 
 logger = logging.getLogger(__name__)
@@ -25,12 +26,22 @@ class WorkerPool:
     """The workers, in ``--workers`` order, and the task that checks their health.
 
     Invariant: ``workers[i].index == i``; only the event loop's thread changes a worker's state.
+
+    :param worker_events: the KV-event publishers named for some workers, by URL as in ``urls``
+        (``--worker-events``); the others' come from their ``/admin/info``.
     """
 
     def __init__(self, urls: Sequence[str], *, block_size: int, max_tree_blocks: int,
                  health_interval_s: float, use_events: bool = True,
-                 worker_api_key: str | None = None):
-        self.workers = [Worker(i, url, block_size=block_size, max_tree_blocks=max_tree_blocks)
+                 worker_api_key: str | None = None,
+                 worker_events: Mapping[str, EventEndpoints] | None = None):
+        worker_events = dict(worker_events or {})
+        unknown = sorted(set(worker_events) - set(urls))
+        if unknown:
+            raise ValueError(f"worker_events: got {', '.join(unknown)}, not among the workers' "
+                             f"URLs {list(urls)}; name events for listed workers only")
+        self.workers = [Worker(i, url, block_size=block_size, max_tree_blocks=max_tree_blocks,
+                               events=worker_events.get(url))
                         for i, url in enumerate(urls)]
         self.health_interval_s = health_interval_s
         self.use_events = use_events
@@ -93,7 +104,7 @@ class WorkerPool:
             if self.use_events:
                 worker.start_events(asyncio.get_running_loop())
             worker.is_healthy = True
-            logger.warning("worker %s is up (cache view: %s)", worker.url,
+            logger.warning("worker %s is up (%s; cache view: %s)", worker.url, worker.kind,
                            "events" if worker.events_tree is not None else "routed prompts")
         return True
 

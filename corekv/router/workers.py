@@ -1,14 +1,19 @@
 """The router's view of its workers: health, in-flight load, and what each one has cached.
 
-A worker's cache is known from its KV events when ``GET /admin/info`` announces a publisher
-(``kv_events``) the router can reach and its events carry token ids, else guessed from the prompts
-routed to it. A worker that fails (a health check, see :mod:`corekv.router.health`, or a forwarded
-request) leaves the rotation and its cache view is dropped: a worker that comes back has usually
-restarted with an empty cache.
+A worker is a ``corekv serve`` worker (its ``GET /admin/info`` answers) or any other server of the
+OpenAI API, taken for a vLLM server (``kind`` ``"vllm"``). Its cache is known from its KV events
+when the router can reach a publisher, named on the command line (:class:`EventEndpoints`,
+``corekv route --worker-events``) or else announced by ``/admin/info`` (``kv_events``), and its
+events carry token ids; else it is guessed from the prompts routed to it. A worker that fails (a
+health check, see :mod:`corekv.router.health`, or a forwarded request) leaves the rotation and its
+cache view is dropped: a worker that comes back has usually restarted with an empty cache.
 
 Tenants stay apart in both views: the routed view is namespaced by the request's ``cache_salt``,
-the events view by the tenant key a salted chain's first block carries in its ``extra_keys``
-(:func:`corekv.kv_event_wire.cache_salt_key`), which the router computes from the request's salt.
+the events view by the tenant key of the request's salt, ``cache_salt_key(salt)``
+(:func:`corekv.kv_event_wire.cache_salt_key`). A salted chain's first block carries it in its
+``extra_keys`` from a corekv worker; a vLLM worker puts the salt itself there, which the router
+turns into the same key as the event arrives (the worker's kind decides), so both kinds of worker
+match the same request, and no salt is kept in clear in the events view.
 """
 from __future__ import annotations
 
@@ -18,6 +23,7 @@ import itertools
 import logging
 import threading
 from collections.abc import Hashable, Sequence
+from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -30,18 +36,35 @@ logger = logging.getLogger(__name__)
 DEVICE_MEDIA = (None, "GPU")
 
 
+@dataclass(frozen=True)
+class EventEndpoints:
+    """Where a worker publishes its KV events (vLLM's ``--kv-events-config`` names them alike):
+    the PUB ``endpoint``, its replay ROUTER ``replay_endpoint`` (``None``: no replay) and the
+    ``topic`` to receive (``""``: every topic). Checked by ``corekv route --worker-events``."""
+
+    endpoint: str
+    replay_endpoint: str | None = None
+    topic: str = ""
+
+
 class Worker:
-    """One ``corekv serve`` worker.
+    """One worker: a ``corekv serve`` worker or another OpenAI server (vLLM's).
 
     Invariants: ``load`` is the number of requests the router has sent and not yet finished
     (each :meth:`begin` is ended by exactly one :meth:`finish`); ``pending`` holds exactly those
     requests' prompts; the cache view is ``events_tree`` while a subscriber feeds it, else
-    ``routed_tree``; both trees are touched on the event loop's thread only.
+    ``routed_tree``; both trees are touched on the event loop's thread only, and the events
+    view's namespaces are tenant keys (:func:`_request_namespace`), never salts in clear.
+
+    :param events: the publisher named for this worker (``--worker-events``); it takes precedence
+        over the one ``/admin/info`` announces.
     """
 
-    def __init__(self, index: int, url: str, *, block_size: int, max_tree_blocks: int):
+    def __init__(self, index: int, url: str, *, block_size: int, max_tree_blocks: int,
+                 events: EventEndpoints | None = None):
         self.index, self.url = index, url.rstrip("/")
         self.block_size, self.max_tree_blocks = block_size, max_tree_blocks
+        self.named_events = events
         self.is_healthy = False
         self.load = 0
         self.info: dict[str, Any] | None = None
@@ -51,6 +74,12 @@ class Worker:
         self.pending: dict[int, tuple[Hashable, list[int], int]] = {}  # salt, ids, new blocks
         self.num_requests = self.num_failures = self.num_event_batches = 0
         self._ids = itertools.count()
+
+    @property
+    def kind(self) -> str:
+        """``corekv`` when the worker's ``/admin/info`` answered, else ``vllm`` (any other OpenAI
+        server: vLLM's conventions, its salts in clear in the events, are assumed)."""
+        return "corekv" if self.info is not None else "vllm"
 
     @property
     def num_tree_blocks(self) -> int:
@@ -116,11 +145,13 @@ class Worker:
         A stored block without token ids (the worker has ``kv_events.include_token_ids: false``)
         ends the events view: computing corekv's block hashes from a prompt takes the model's
         weights, which the router does not load, so hashes alone match nothing, and the prompts
-        routed here are the better guess."""
+        routed here are the better guess. The view takes the block size the events carry (a vLLM
+        worker's ``--block-size`` is announced nowhere else) while it is empty."""
         tree = self.events_tree
         if tree is None:
             return  # NOTE: a batch queued before the subscriber was closed
         self.num_event_batches += 1
+        kind = self.kind
         for event in batch.events:
             if isinstance(event, BlockStored) and event.medium in DEVICE_MEDIA:
                 if event.lora_id is not None or event.lora_name is not None:
@@ -129,8 +160,12 @@ class Worker:
                     self._route_on_prompts("its KV events carry no token ids "
                                            "(kv_events.include_token_ids: false)")
                     return
+                if event.block_size != tree.block_size:
+                    tree = self._resize_events_view(event.block_size)
+                    if tree is None:
+                        continue
                 tree.store(event.block_hashes, event.parent_block_hash, event.token_ids,
-                           _chain_namespace(event))
+                           _chain_namespace(event, kind))
             elif isinstance(event, BlockRemoved) and event.medium in DEVICE_MEDIA:
                 tree.remove(event.block_hashes)
             elif isinstance(event, AllBlocksCleared):
@@ -148,32 +183,33 @@ class Worker:
         if self.subscriber is not None:
             events = {"endpoint": self.subscriber.endpoint, "batches": self.num_event_batches,
                       "last_seq": self.subscriber.last_seq, "missed": self.subscriber.num_missed}
-        return {"url": self.url, "healthy": self.is_healthy, "in_flight": self.load,
-                "requests": self.num_requests, "failures": self.num_failures,
+        return {"url": self.url, "kind": self.kind, "healthy": self.is_healthy,
+                "in_flight": self.load, "requests": self.num_requests, "failures": self.num_failures,
                 "cache_view": "events" if self.events_tree is not None else "routed_prompts",
                 "tree_blocks": self.num_tree_blocks, "events_connected": self.subscriber is not None,
-                "events": events, "model": (self.info or {}).get("model")}
+                "events": events, "block_size": self.block_size,
+                "model": (self.info or {}).get("model")}
 
     def start_events(self, loop: asyncio.AbstractEventLoop) -> None:
-        """Subscribe to the KV events ``self.info`` announces (if any); failures leave the
-        routed-prompt view in place."""
-        spec = (self.info or {}).get("kv_events")
-        if not spec or self.subscriber is not None:
+        """Subscribe to the KV events named for this worker, else to those ``self.info``
+        announces (if any); failures leave the routed-prompt view in place."""
+        if self.subscriber is not None:
             return
+        spec = self.named_events
+        if spec is None:
+            announced = (self.info or {}).get("kv_events")
+            if not announced:
+                return
+            spec = self._announced_endpoints(announced)
+            if spec is None:
+                return
         try:
             from corekv.kv_event_subscriber import KVEventSubscriber
 
-            endpoint, replay = self._reachable(spec["endpoint"]), spec.get("replay_endpoint")
-            replay = self._reachable(replay) if replay else None
-            if endpoint is None:
-                logger.warning("worker %s publishes its KV events on %s, its own loopback, which "
-                               "this router cannot reach; routing on the prompts sent to it "
-                               "instead (set kv_events.endpoint to tcp://*:PORT there to let "
-                               "routers on other machines subscribe)", self.url, spec["endpoint"])
-                return
+            endpoint = self._at_worker_host(spec.endpoint)
+            replay = self._at_worker_host(spec.replay_endpoint) if spec.replay_endpoint else None
             subscriber = KVEventSubscriber(
-                endpoint, replay_endpoint=replay,
-                topic=spec.get("topic") or "",
+                endpoint, replay_endpoint=replay, topic=spec.topic,
                 on_batch=lambda seq, batch: loop.call_soon_threadsafe(self.apply_batch, seq, batch),
                 on_restart=lambda: loop.call_soon_threadsafe(self.clear_events_view),
                 start_seq=0 if replay else None)
@@ -197,6 +233,44 @@ class Worker:
                              daemon=True).start()
 
     # -- helpers --------------------------------------------------------------------------------
+    def _announced_endpoints(self, announced: Any) -> EventEndpoints | None:
+        """The endpoints ``/admin/info`` announces, or ``None`` (with a warning) for a publisher
+        on the worker's loopback that this router cannot reach, or an announcement it cannot read."""
+        try:
+            spec = EventEndpoints(announced["endpoint"], announced.get("replay_endpoint") or None,
+                                  announced.get("topic") or "")
+            if not all(isinstance(v, str) for v in (spec.endpoint, spec.replay_endpoint or "",
+                                                    spec.topic)):
+                raise TypeError("expected str addresses and topic")
+        except (TypeError, KeyError, AttributeError) as e:
+            logger.warning("worker %s announces KV events %r that cannot be read (%s); routing on "
+                           "the prompts sent to it instead", self.url, announced, e)
+            return None
+        if self._reachable(spec.endpoint) is None:
+            logger.warning("worker %s publishes its KV events on %s, its own loopback, which "
+                           "this router cannot reach; routing on the prompts sent to it "
+                           "instead (set kv_events.endpoint to tcp://*:PORT there to let "
+                           "routers on other machines subscribe)", self.url, spec.endpoint)
+            return None
+        if spec.replay_endpoint and self._reachable(spec.replay_endpoint) is None:
+            spec = EventEndpoints(spec.endpoint, None, spec.topic)
+        return spec
+
+    def _resize_events_view(self, block_size: int) -> BlockTree | None:
+        """The events view for ``block_size``-token blocks: a new one while the view is empty,
+        else ``None`` (the event is skipped: the view holds blocks of another size)."""
+        if self.events_tree.num_blocks:
+            logger.debug("worker %s: skipped a KV event of %d-token blocks (the view holds %d)",
+                         self.url, block_size, self.events_tree.block_size)
+            return None
+        if block_size != self.block_size:
+            logger.warning("worker %s: its KV events have %d-token blocks, not %d; its cache view "
+                           "follows the events", self.url, block_size, self.block_size)
+        self.block_size = block_size
+        self.routed_tree = BlockTree(block_size, max_blocks=self.max_tree_blocks)
+        self.events_tree = BlockTree(block_size)
+        return self.events_tree
+
     def _route_on_prompts(self, reason: str) -> None:
         """Drop the events view for the routed-prompt one, seeded with the prompts in flight."""
         logger.warning("worker %s: %s; routing on the prompts sent to it instead", self.url, reason)
@@ -205,17 +279,24 @@ class Worker:
             self.routed_tree.insert(token_ids, salt)
 
     def _reachable(self, endpoint: str) -> str | None:
-        """The address this router subscribes at: a publisher bound to every interface
-        (``tcp://*:5557``) is reached at the worker's host; ``None`` for one on the worker's
-        loopback when the worker is on another machine (NOTE: connecting would reach this
-        machine's loopback instead, perhaps another worker's publisher)."""
+        """The address this router subscribes at for an announced publisher: see
+        :meth:`_at_worker_host`; ``None`` for one on the worker's loopback when the worker is on
+        another machine (NOTE: connecting would reach this machine's loopback instead, perhaps
+        another worker's publisher). A publisher named on the command line is trusted as named."""
+        scheme, _, rest = endpoint.partition("://")
+        host, sep, _ = rest.rpartition(":")
+        if scheme == "tcp" and sep and _is_loopback(host) and not _is_loopback(
+                urlsplit(self.url).hostname or ""):
+            return None
+        return self._at_worker_host(endpoint)
+
+    def _at_worker_host(self, endpoint: str) -> str:
+        """A publisher bound to every interface (``tcp://*:5557``) is reached at the worker's
+        host; any other address as it is."""
         scheme, _, rest = endpoint.partition("://")
         host, sep, port = rest.rpartition(":")
         if scheme == "tcp" and sep and host in ("*", "0.0.0.0", "[::]", "::"):
             return f"tcp://{urlsplit(self.url).hostname}:{port}"
-        if scheme == "tcp" and sep and _is_loopback(host) and not _is_loopback(
-                urlsplit(self.url).hostname or ""):
-            return None
         return endpoint
 
 
@@ -226,13 +307,23 @@ def _request_namespace(cache_salt: Hashable) -> Hashable:
     return None if key is None else (key,)
 
 
-def _chain_namespace(event: BlockStored) -> Hashable:
-    """The namespace of a chain that ``event`` starts: its first block's extra keys (a salted
-    chain's tenant key; ``None`` without any). NOTE: a chain whose extra keys hold anything else
-    (another publisher's keys) gets a namespace of its own that no request maps to: it is never
-    merged with a tenant's blocks, only never matched."""
+def _chain_namespace(event: BlockStored, kind: str) -> Hashable:
+    """The namespace of a chain that ``event`` starts, from its first block's extra keys
+    (``None`` without any): a corekv worker's are the tenant key already; a vLLM worker's str
+    keys (its salt, in clear) become ``cache_salt_key(key)`` here, the key corekv's workers send,
+    so a salted request finds its chains on both kinds of worker and the salt is not kept.
+
+    NOTE: the worker's kind decides, not the key's look: a vLLM tenant whose salt looks like
+    another tenant's key is digested again, never taken for that tenant. A chain whose extra keys
+    hold anything else (a LoRA, multimodal or prompt-embedding keys, another publisher's) gets a
+    namespace of its own that no request maps to: never merged with a tenant's blocks, only
+    never matched."""
     first = event.extra_keys[0] if event.extra_keys else None
-    return tuple(first) if first else None
+    if not first:
+        return None
+    if kind == "vllm":
+        return tuple(cache_salt_key(key) if isinstance(key, str) else key for key in first)
+    return tuple(first)
 
 
 def _is_loopback(host: str) -> bool:

@@ -1,12 +1,15 @@
-"""Helpers of the router tests: the workers' sizes and a router on a thread (worker processes,
-ports and waiting come from tests/processes.py)."""
+"""Helpers of the router tests: the workers' sizes, a router on a thread and the real route
+command in a subprocess (worker processes, ports and waiting come from tests/processes.py)."""
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 import threading
 
 import httpx
 
-from processes import wait_until
+from processes import free_port, wait_until
 
 BLOCK_SIZE = 4
 NUM_BLOCKS = 128
@@ -41,3 +44,28 @@ class RouterThread:
     def __exit__(self, *exc):
         self.server.should_exit = True
         self.thread.join(30)
+
+
+def start_route(args: list[str], **env: str) -> tuple[subprocess.Popen, str]:
+    """``python -m corekv.cli route ARGS`` on a free port, waited for until ``/health`` answers;
+    returns the process (the caller terminates it) and its URL."""
+    port = free_port()
+    router = subprocess.Popen(
+        [sys.executable, "-m", "corekv.cli", "route", *args, "--port", str(port), "--health-interval", "0.5"],
+        env=dict(os.environ, COREKV_DISABLE_PLUGIN_AUTOLOAD="1", **env),
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+
+    def healthy():
+        assert router.poll() is None, router.stdout.read().decode()
+        try:
+            return httpx.get(url + "/health", timeout=1).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    try:
+        wait_until(healthy, 60, "corekv route to answer /health", 0.2)
+    except BaseException:
+        router.kill()
+        raise
+    return router, url

@@ -2,43 +2,13 @@
 (a subprocess) routing a request to a worker; plus the tokenizer-only loader it uses."""
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-
 import httpx
 import pytest
-from processes import free_port, wait_until
-from router_helpers import CLIENT_KEY, WORKER_KEY
+from router_helpers import CLIENT_KEY, WORKER_KEY, start_route
 
 from corekv.cli import main
 
 WORKERS = ["--workers", "http://127.0.0.1:8001", "http://127.0.0.1:8002"]
-
-
-def start_route(args: list[str], **env: str) -> tuple[subprocess.Popen, str]:
-    """``python -m corekv.cli route ARGS`` on a free port, waited for until ``/health`` answers;
-    returns the process (the caller terminates it) and its URL."""
-    port = free_port()
-    router = subprocess.Popen(
-        [sys.executable, "-m", "corekv.cli", "route", *args, "--port", str(port), "--health-interval", "0.5"],
-        env=dict(os.environ, COREKV_DISABLE_PLUGIN_AUTOLOAD="1", **env),
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-
-    def healthy():
-        assert router.poll() is None, router.stdout.read().decode()
-        try:
-            return httpx.get(url + "/health", timeout=1).status_code == 200
-        except httpx.HTTPError:
-            return False
-
-    try:
-        wait_until(healthy, 60, "corekv route to answer /health", 0.2)
-    except BaseException:
-        router.kill()
-        raise
-    return router, url
 
 
 @pytest.mark.parametrize("args, message", [
@@ -72,6 +42,54 @@ def test_bad_flags_exit_2_naming_the_flag(args, message, capsys):
 def test_bad_worker_urls_exit_2(workers, message, capsys):
     assert main(["route", "--workers", *workers]) == 2
     assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("events, message", [
+    (["http://127.0.0.1:8001"], "--worker-events: got 'http://127.0.0.1:8001'; expected "
+                                "URL=ENDPOINT[,replay=ENDPOINT][,topic=TOPIC] (e.g. http://gpu1:8000="),
+    (["http://127.0.0.1:8001="], "expected URL=ENDPOINT[,replay=ENDPOINT][,topic=TOPIC]"),
+    (["127.0.0.1:8001=tcp://127.0.0.1:5557"],
+     "--worker-events: got '127.0.0.1:8001'; expected a worker's base URL http://HOST:PORT"),
+    (["http://127.0.0.1:8003=tcp://127.0.0.1:5557"],
+     "--worker-events: got events for http://127.0.0.1:8003, which is not one of --workers; add it"),
+    (["http://127.0.0.1:8001=tcp://127.0.0.1:5557", "http://127.0.0.1:8001/=tcp://127.0.0.1:5559"],
+     "--worker-events: got http://127.0.0.1:8001 more than once; name each worker's events once"),
+    (["http://127.0.0.1:8001=127.0.0.1:5557"], "--worker-events: got the address '127.0.0.1:5557' for "
+     "http://127.0.0.1:8001; expected a ZMQ address the router can connect to, tcp://HOST:PORT or ipc://PATH"),
+    (["http://127.0.0.1:8001=inproc://kv"], "got the address 'inproc://kv'"),
+    (["http://127.0.0.1:8001=tcp://127.0.0.1:0"], "got the address 'tcp://127.0.0.1:0'"),
+    (["http://127.0.0.1:8001=tcp://127.0.0.1:5557,replay=tcp://h"], "got the address 'tcp://h'"),
+    (["http://127.0.0.1:8001=tcp://127.0.0.1:5557,replay_endpoint=tcp://127.0.0.1:5558"],
+     "--worker-events: got 'replay_endpoint=tcp://127.0.0.1:5558' in 'http://127.0.0.1:8001=tcp://127.0.0.1:5557,"
+     "replay_endpoint=tcp://127.0.0.1:5558'; expected replay=ENDPOINT or topic=TOPIC after the endpoint; "
+     "did you mean 'replay'?"),
+    (["http://127.0.0.1:8001=tcp://127.0.0.1:5557,tcp://127.0.0.1:5558"], "expected replay=ENDPOINT or topic="),
+    (["http://127.0.0.1:8001=tcp://127.0.0.1:5557,topic=a,topic=b"], "got topic= twice in"),
+    (["http://127.0.0.1:8001=tcp://127.0.0.1:5557,replay=tcp://127.0.0.1:5557"],
+     "got tcp://127.0.0.1:5557 as both the endpoint and the replay endpoint of http://127.0.0.1:8001"),
+])
+def test_bad_worker_events_exit_2_naming_the_flag_and_the_fix(events, message, capsys):
+    flags = [arg for event in events for arg in ("--worker-events", event)]
+    assert main(["route", *WORKERS, *flags]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("corekv: error: ") and message in err and err.count("\n") == 1
+
+
+def test_worker_events_name_each_workers_publisher(tiny_model_folder, tmp_path, monkeypatch):
+    import uvicorn
+
+    from corekv.router.workers import EventEndpoints
+
+    apps = []
+    monkeypatch.setattr(uvicorn, "run", lambda app, **kwargs: apps.append(app))
+    path = tmp_path / "route.yaml"
+    path.write_text(f"model: {tiny_model_folder}\ndevice: cpu\n")
+    assert main(["route", "--config", str(path), *WORKERS,
+                 "--worker-events", "http://127.0.0.1:8002/=tcp://*:5557,replay=tcp://*:5558,topic=kv",
+                 "--worker-events", "http://127.0.0.1:8001=ipc:///tmp/kv-pub"]) == 0
+    workers = apps[0].state.router.pool.workers
+    assert [w.named_events for w in workers] == [EventEndpoints("ipc:///tmp/kv-pub"),
+                                                 EventEndpoints("tcp://*:5557", "tcp://*:5558", "kv")]
 
 
 def test_workers_are_required(capsys):

@@ -1,20 +1,49 @@
 """Worker: how KV event batches (corekv.kv_event_wire's real classes) and routed requests change the
-router's view of one worker, without a network."""
+router's view of one worker, a corekv one or a vLLM one, without a network (but for the sockets a
+subscriber opens)."""
 from __future__ import annotations
 
 import asyncio
+import logging
 
-from corekv.kv_event_wire import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch, cache_salt_key
+import pytest
+
+from corekv.kv_event_wire import (AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch, cache_salt_key,
+                                  decode_batch, encode_batch)
+from corekv.router.policy import CacheAwarePolicy
 from corekv.router.tree import BlockTree
-from corekv.router.workers import Worker
+from corekv.router.workers import EventEndpoints, Worker
 
 BLOCK = 2
 
 
-def subscribed_worker(url="http://10.0.0.7:8001") -> Worker:
-    worker = Worker(0, url, block_size=BLOCK, max_tree_blocks=100)
+def subscribed_worker(url="http://10.0.0.7:8001", index=0) -> Worker:
+    """A corekv worker (its /admin/info was read) with an events view."""
+    worker = Worker(index, url, block_size=BLOCK, max_tree_blocks=100)
+    worker.set_info({"model": "m", "block_size": BLOCK, "kv_events": None})
     worker.events_tree = BlockTree(BLOCK)  # what start_events sets up beside the subscriber
     return worker
+
+
+def vllm_worker(url="http://10.0.0.8:8000", index=1, block_size=BLOCK) -> Worker:
+    """A vLLM worker: no /admin/info, its publisher named (--worker-events), an events view."""
+    worker = Worker(index, url, block_size=block_size, max_tree_blocks=100,
+                    events=EventEndpoints("tcp://*:5557", "tcp://*:5558", "kv"))
+    worker.set_info(None)   # what the health check reads from a server without /admin/info
+    worker.events_tree = BlockTree(block_size)
+    return worker
+
+
+def vllm_batch(*stored: tuple[list[int], list[int], int | None, str | None], block_size=BLOCK) -> KVEventBatch:
+    """What a vLLM 0.32 server publishes, through the wire and back: per ``(hashes, token_ids,
+    parent, salt)`` a BlockStored with int hashes on the GPU medium, the salt in clear in the
+    first block's extra keys of a chain's first run."""
+    events = [BlockStored(hashes, parent, token_ids, block_size, medium="GPU", group_idx=0,
+                          kv_cache_spec_kind="full_attention",
+                          extra_keys=[(salt,) if salt and i == 0 and parent is None else None
+                                      for i in range(len(hashes))])
+              for hashes, token_ids, parent, salt in stored]
+    return decode_batch(encode_batch(KVEventBatch(1.0, events, data_parallel_rank=0)))
 
 
 def batch(*events) -> KVEventBatch:
@@ -49,8 +78,91 @@ def test_a_salted_chain_is_matched_by_requests_with_its_salt_only():
 def test_a_chain_with_extra_keys_of_another_kind_is_never_matched():
     worker = subscribed_worker()
     worker.apply_batch(0, batch(BlockStored([b"v"], None, [1, 2], BLOCK, extra_keys=[("tenant-a",)])))
-    assert worker.num_tree_blocks == 1      # vLLM's salt in clear: no request maps to it
+    assert worker.num_tree_blocks == 1      # a salt in clear from a corekv worker: no request maps to it
     assert worker.match([1, 2], "tenant-a") == 0 and worker.match([1, 2], None) == 0
+
+
+def test_a_worker_without_admin_info_is_a_vllm_worker():
+    assert vllm_worker().kind == "vllm" and vllm_worker().state()["kind"] == "vllm"
+    assert subscribed_worker().kind == "corekv" and subscribed_worker().state()["kind"] == "corekv"
+
+
+def test_a_vllm_salted_chain_is_matched_by_requests_with_its_salt_only():
+    worker = vllm_worker()
+    worker.apply_batch(0, vllm_batch(([11, 12], [1, 2, 3, 4], None, "tenant-a"),
+                                     ([13], [5, 6], 12, None),          # continues a's chain
+                                     ([21], [1, 2], None, None)))       # unsalted, equal tokens
+    assert worker.match([1, 2, 3, 4, 5, 6], "tenant-a") == 6
+    assert worker.match([1, 2, 3, 4, 5, 6], None) == 2
+    assert worker.match([1, 2, 3, 4, 5, 6], "tenant-b") == 0
+    # the view is keyed by the tenant key, as a corekv worker's; the salt itself is not kept
+    tree = worker.events_tree
+    assert tree.match([1, 2, 3, 4], (cache_salt_key("tenant-a"),)) == 4
+    assert tree.match([1, 2, 3, 4], ("tenant-a",)) == 0 and tree.stats()["namespaces"] == 2
+    worker.apply_batch(1, batch(BlockRemoved([12], medium="GPU")))
+    assert worker.match([1, 2, 3, 4, 5, 6], "tenant-a") == 2   # the block and the one chained after it
+
+
+def test_the_workers_kind_decides_how_its_tenant_keys_are_read():
+    """One request, two kinds of worker: the corekv worker's chain carries cache_salt_key(S), the
+    vLLM worker's S itself, and the request with cache_salt S matches both; a vLLM tenant whose
+    salt *is* another tenant's key is never taken for that tenant."""
+    corekv_worker, vllm = subscribed_worker(index=0), vllm_worker(index=1)
+    corekv_worker.apply_batch(0, batch(BlockStored([b"c1"], None, [1, 2], BLOCK,
+                                                   extra_keys=[(cache_salt_key("tenant-a"),)])))
+    vllm.apply_batch(0, vllm_batch(([31, 32], [1, 2, 3, 4], None, "tenant-a"),
+                                   ([41], [7, 8], None, cache_salt_key("tenant-b"))))
+    assert corekv_worker.match([1, 2, 3, 4], "tenant-a") == 2
+    assert vllm.match([1, 2, 3, 4], "tenant-a") == 4
+    assert vllm.match([7, 8], "tenant-b") == 0
+    assert vllm.match([7, 8], cache_salt_key("tenant-b")) == 2   # the tenant whose salt it is
+    choice = CacheAwarePolicy().choose([corekv_worker, vllm], [1, 2, 3, 4, 9, 9], "tenant-a")
+    assert (choice.worker, choice.reason, choice.matched_tokens) == (vllm, "cache", 4)
+
+
+def test_salts_stay_out_of_the_logs_and_the_workers_state(caplog):
+    worker = vllm_worker()
+    with caplog.at_level(logging.DEBUG, logger="corekv.router"):
+        worker.apply_batch(0, vllm_batch(([11, 12], [1, 2, 3, 4], None, "secret-salt-x")))
+        worker.apply_batch(1, vllm_batch(([13], [5, 6, 7, 8], None, "secret-salt-x"), block_size=4))
+        worker.begin([1, 2, 3, 4], "secret-salt-x")
+        worker.is_healthy = True
+        worker.mark_down("test")
+    assert "secret-salt-x" not in caplog.text and "secret-salt-x" not in repr(worker.state())
+
+
+def test_a_vllm_workers_view_takes_the_block_size_of_its_events():
+    """vLLM announces its --block-size nowhere but in its events."""
+    worker = vllm_worker(block_size=16)
+    worker.apply_batch(0, vllm_batch(([11, 12], [1, 2, 3, 4], None, None)))
+    assert worker.block_size == BLOCK and worker.state()["block_size"] == BLOCK
+    assert worker.match([1, 2, 3, 4, 5], None) == 4
+    # a run of blocks of another size, once the view holds blocks: skipped
+    worker.apply_batch(1, vllm_batch(([13], [5, 6, 7, 8], 12, None), block_size=4))
+    assert worker.num_tree_blocks == 2 and worker.block_size == BLOCK
+    worker.apply_batch(2, batch(AllBlocksCleared()))
+    worker.apply_batch(3, vllm_batch(([14], [5, 6, 7, 8], None, None), block_size=4))
+    assert worker.block_size == 4 and worker.match([5, 6, 7, 8], None) == 4
+
+
+def test_a_named_publisher_is_subscribed_as_named_and_before_an_announced_one():
+    pytest.importorskip("zmq")
+    worker = Worker(0, "http://10.0.0.8:8000", block_size=BLOCK, max_tree_blocks=100,
+                    events=EventEndpoints("tcp://*:5557", "tcp://127.0.0.1:5558", "kv"))
+    worker.set_info({"model": "m", "block_size": BLOCK,
+                     "kv_events": {"endpoint": "tcp://*:6000", "replay_endpoint": None, "topic": ""}})
+    loop = asyncio.new_event_loop()
+    try:
+        worker.start_events(loop)
+        subscriber = worker.subscriber
+        # a wildcard reached at the worker's host; a loopback address trusted as named (a tunnel)
+        assert (subscriber.endpoint, subscriber.replay_endpoint, subscriber.topic) == \
+            ("tcp://10.0.0.8:5557", "tcp://127.0.0.1:5558", "kv")
+        assert subscriber.start_seq == 0   # with a replay socket: from its first buffered batch
+        assert worker.state()["events"]["endpoint"] == "tcp://10.0.0.8:5557"
+    finally:
+        worker.stop_events(wait=True)
+        loop.close()
 
 
 def test_events_without_token_ids_turn_the_view_to_routed_prompts():
