@@ -30,7 +30,7 @@ start) to the end of the reloader's ``load_prefix`` at admission (timed by wrapp
 memcpy is the faster of ``numpy.copyto`` and ``torch.Tensor.copy_`` of the same number of bytes
 between two preallocated uint8 buffers (the stricter reference), measured right after each reload,
 and next to it the same bytes copied block by block (``numpy.copyto`` per 0.7 MiB row: the copy a
-reload makes; see :func:`memcpy_seconds` on why the two differ). Medians of ``--runs`` runs.
+reload makes; see :func:`tier_bandwidth.memcpy_seconds` on why the two differ). Medians of ``--runs`` runs.
 """
 from __future__ import annotations
 
@@ -45,7 +45,6 @@ import tempfile
 import time
 from pathlib import Path
 
-import numpy as np
 import torch
 
 from corekv.config import CacheConfig, Config, EngineConfig, TierConfig
@@ -56,6 +55,7 @@ from corekv.engine.sampling import SamplingParams
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 from redis_server import RedisServer  # noqa: E402  (the tests' helper: a real redis-server on loopback)
 from seed_documents import add_seeds_argument, read_seeds  # noqa: E402  (benchmarks/ is sys.path[0])
+from tier_bandwidth import memcpy_seconds  # noqa: E402  (the cache-cold memcpy reference)
 
 BLOCK, SUFFIX = 16, 16
 TIERS = ("host", "lmdb", "redis")
@@ -89,56 +89,6 @@ class LoadTimer:
             return loaded
 
         reloader.load_prefix = timed
-
-
-_EVICTION: list[np.ndarray] = []
-
-
-def evict_cpu_caches() -> None:
-    """Touch every cache line of a buffer larger than the last-level cache: the next copy reads
-    DRAM, as a reload of blocks stored earlier does (repeated copies of the same buffers would
-    otherwise run from the cache, far faster; BENCHMARKS.md, "Tiers in the engine")."""
-    if not _EVICTION:
-        _EVICTION.append(np.ones(768 << 20, dtype=np.uint8))
-    _EVICTION[0][::64] += 1
-
-
-def memcpy_seconds(num_bytes: int, repeats: int = 5, *, block_bytes: int = 0) -> float:
-    """The faster of ``numpy.copyto`` and ``torch.Tensor.copy_`` between two preallocated uint8
-    buffers of ``num_bytes`` (median of ``repeats`` each, the CPU caches evicted before each): the
-    stricter reference. ``block_bytes``: instead, ``numpy.copyto`` row by row in rows of
-    ``block_bytes``, the copy a reload makes.
-
-    NOTE: glibc's memcpy switches to non-temporal stores above a size threshold (``ld.so
-    --list-tunables`` prints it: ``glibc.cpu.x86_non_temporal_threshold``), which copy large
-    buffers markedly faster (BENCHMARKS.md, "Tiers in the engine"); a copy of one block (0.7 MiB)
-    stays under it unless ``GLIBC_TUNABLES=glibc.cpu.x86_non_temporal_threshold=...`` lowers it.
-    Hence both references.
-    """
-    src = torch.empty(num_bytes, dtype=torch.uint8).fill_(7)
-    dst = torch.empty(num_bytes, dtype=torch.uint8)
-    dst.copy_(src)  # first touch
-    src_np, dst_np = src.numpy(), dst.numpy()
-    copies = [lambda: dst.copy_(src), lambda: np.copyto(dst_np, src_np)]
-    if block_bytes:
-        rows = num_bytes // block_bytes
-        src_rows = src_np[:rows * block_bytes].reshape(rows, block_bytes)
-        dst_rows = dst_np[:rows * block_bytes].reshape(rows, block_bytes)
-
-        def by_rows():
-            for i in range(rows):
-                np.copyto(dst_rows[i], src_rows[i])
-        copies = [by_rows]
-    best = float("inf")
-    for copy in copies:
-        times = []
-        for _ in range(repeats):
-            evict_cpu_caches()
-            t0 = time.perf_counter()
-            copy()
-            times.append(time.perf_counter() - t0)
-        best = min(best, statistics.median(times))
-    return best
 
 
 def evict_all(engine: Engine) -> None:

@@ -14,10 +14,16 @@ memoryview, and the staging-to-pool copy a prefetched reload makes at admission 
 integrity secret, so their ratio to the plain row is the MAC's cost on that tier.
 
     python benchmarks/tier_bandwidth.py [--blocks 32] [--batch 8] [--repeats 5] [--markdown]
+
+``--reload-tokens 2048,4096,8192`` instead measures a whole prefix's reload from the host tier and
+from a warm LMDB (in the page cache) through the offload facade the engine calls
+(:class:`corekv.offload.Offload`: ``arrived`` then ``load`` into a real :class:`KVPool`), next to
+a memcpy of the same bytes in the same run; see :func:`reload_rows`.
 """
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shutil
 import socket
@@ -41,6 +47,8 @@ SHAPE = (30, 2, 3, 16, 64)  # layers, K/V, kv heads, block tokens, head_dim
 BLOCK_BYTES = int(np.prod(SHAPE)) * 4
 FINGERPRINT = b"bench-smollm2-135m-float32"
 SECRET = b"bench-integrity-secret-of-32-byt"
+#: the reload paths of --reload-tokens (see reload_rows)
+WAYS = ("admit", "sync", "staged", "staged, fresh")
 
 
 def cpu_description() -> str:
@@ -70,6 +78,56 @@ def memcpy_rates(num_bytes: int, repeats: int) -> dict[str, float]:
     np.copyto(dst, src)  # NOTE: first touch of dst's pages is not part of a copy's steady state
     return {"memcpy (numpy copyto)": num_bytes / median_seconds(lambda _: np.copyto(dst, src), repeats),
             "memcpy (torch copy_)": num_bytes / median_seconds(lambda _: dst_t.copy_(src_t), repeats)}
+
+
+_EVICTION: list[np.ndarray] = []
+
+
+def evict_cpu_caches() -> None:
+    """Touch every cache line of a buffer larger than the last-level cache: the next copy reads
+    DRAM, as a reload of blocks stored earlier does (repeated copies of the same buffers would
+    otherwise run from the cache, far faster; BENCHMARKS.md, "Tiers in the engine")."""
+    if not _EVICTION:
+        _EVICTION.append(np.ones(768 << 20, dtype=np.uint8))
+    _EVICTION[0][::64] += 1
+
+
+def memcpy_seconds(num_bytes: int, repeats: int = 5, *, block_bytes: int = 0) -> float:
+    """The faster of ``numpy.copyto`` and ``torch.Tensor.copy_`` between two preallocated uint8
+    buffers of ``num_bytes`` (median of ``repeats`` each, the CPU caches evicted before each): the
+    stricter reference. ``block_bytes``: instead, ``numpy.copyto`` row by row in rows of
+    ``block_bytes``, the copy a reload makes.
+
+    NOTE: glibc's memcpy switches to non-temporal stores above a size threshold (``ld.so
+    --list-tunables`` prints it: ``glibc.cpu.x86_non_temporal_threshold``), which copy large
+    buffers markedly faster (BENCHMARKS.md, "Tiers in the engine"); a copy of one block (0.7 MiB)
+    stays under it unless ``GLIBC_TUNABLES=glibc.cpu.x86_non_temporal_threshold=...`` lowers it.
+    Hence both references.
+    """
+    src = torch.empty(num_bytes, dtype=torch.uint8).fill_(7)
+    dst = torch.empty(num_bytes, dtype=torch.uint8)
+    dst.copy_(src)  # first touch
+    src_np, dst_np = src.numpy(), dst.numpy()
+    copies = [lambda: dst.copy_(src), lambda: np.copyto(dst_np, src_np)]
+    if block_bytes:
+        rows = num_bytes // block_bytes
+        src_rows = src_np[:rows * block_bytes].reshape(rows, block_bytes)
+        dst_rows = dst_np[:rows * block_bytes].reshape(rows, block_bytes)
+
+        def by_rows():
+            for i in range(rows):
+                np.copyto(dst_rows[i], src_rows[i])
+        copies = [by_rows]
+    best = float("inf")
+    for copy in copies:
+        times = []
+        for _ in range(repeats):
+            evict_cpu_caches()
+            t0 = time.perf_counter()
+            copy()
+            times.append(time.perf_counter() - t0)
+        best = min(best, statistics.median(times))
+    return best
 
 
 def breakdown_rates(num_blocks: int, repeats: int) -> dict[str, float]:
@@ -149,6 +207,120 @@ def measure(tier, args) -> tuple[float, float, float]:
     return put_rate, get_rate, get_into_rate
 
 
+def reload_rows(sizes: list[int], repeats: int, workdir: str) -> list[dict]:
+    """Per prefix length (tokens): bytes/s of reloading the prefix's blocks into a block-major
+    CPU ``KVPool`` through :class:`~corekv.offload.Offload`, three ways, and of a memcpy of the
+    same bytes, measured alternately (repeat after repeat) in the same run.
+
+    * ``admit``: ``arrived`` then ``load`` at once (a request admitted as it arrives: its prefetch
+      job is stopped after its current tier call and admission loads the rest into the pool);
+    * ``sync``: no prefetch (``load`` without ``arrived``): admission reads every block into the pool;
+    * ``staged``: ``arrived``, the prefetch job left to finish, then ``load`` (staging -> pool);
+    * ``staged, fresh``: the same with the staging buffer allocated anew for every job instead of
+      recycled (:class:`corekv.offload.pool_io.StagingBuffers`), as corekv did before: the A/B of
+      that change, in the same run.
+
+The references, per repeat: the one-call memcpy of the same bytes and a block-by-block one
+(:func:`memcpy_seconds`), and the entry check alone (xxh3-128 over each
+block, one thread), since a reload both checks and copies every byte.
+
+    After one untimed warm-up repeat, each repeat stores the prefix under fresh keys (the offload writer's own path, out of the
+    pool) and drops the previous repeat's, evicts the CPU caches (a reload reads blocks stored
+    earlier, as :func:`memcpy_seconds`' reference does), then times arrival ->
+    end of ``load`` and counts the minor page faults taken. Medians over repeats.
+    """
+    import xxhash
+
+    import resource
+
+    from corekv.engine.kv_pool import KVPool
+    from corekv.hashing import PrefixKey
+    from corekv.offload import Offload
+
+    def faults() -> int:
+        return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+
+    rows = []
+    for tokens in sizes:
+        num = tokens // 16
+        pool = KVPool(SHAPE[0], num + 8, SHAPE[3], SHAPE[2], SHAPE[4], dtype=torch.float32)
+        pool.storage.view(torch.uint8).view(num + 8, -1)[:num].copy_(
+            torch.randint(0, 256, (num, BLOCK_BYTES), dtype=torch.uint8))
+        expected = pool.storage[:num].view(torch.uint8).clone()  # NOTE: bytes: random floats hold NaNs
+        entry = BLOCK_BYTES + HEADER_SIZE
+        kw = {"block_bytes": BLOCK_BYTES, "fingerprint": FINGERPRINT, "dtype": "float32", "shape": pool.block_shape}
+        rates: dict[str, list[float]] = {}
+        page_faults: dict[str, list[int]] = {}
+        for kind in ("host", "lmdb"):
+            shutil.rmtree(f"{workdir}/lmdb-reload", ignore_errors=True)
+            tier = (HostTier(size=(2 * num + 8) * entry, **kw) if kind == "host" else
+                    LMDBTier(path=f"{workdir}/lmdb-reload", size=4 * (num + 8) * entry + (64 << 20), sync=False, **kw))
+            offload = Offload([tier], pool, queue_blocks=num + 8)
+            previous: list[bytes] = []
+            staging = getattr(offload.reloader, "staging", None)  # None: a corekv before StagingBuffers
+            for rep in range(-1, repeats):  # NOTE: repeat -1 is a warm-up: the kept staging's first faults
+                for way in WAYS if staging is not None else WAYS[:-1]:
+                    key = PrefixKey(list(range(tokens)), 16, chain_seed("bench", 16, f"{kind}-{way}-{rep}"))
+                    hashes = key.block_hashes
+                    offload.flush(list(zip(hashes, range(num))))
+                    tier.delete(previous)
+                    previous = hashes
+                    if staging is not None:
+                        staging.is_recycled = way != "staged, fresh"  # the A/B switch: off, nothing is kept
+                    evict_cpu_caches()
+                    f0, t0 = faults(), time.perf_counter()
+                    if way != "sync":  # NOTE: without arrived() there is no prefetch: admission reads all
+                        offload.arrived(rep, key, 0, num)
+                    if way.startswith("staged"):
+                        offload.prefetches[rep].future.result()
+                    loaded = offload.load(rep, key, 0, num, list(range(num)))
+                    seconds = time.perf_counter() - t0
+                    assert loaded == {tier.name: num}, (kind, way, loaded)
+                    if rep >= 0:
+                        page_faults.setdefault(f"{kind} {way}", []).append(faults() - f0)
+                        rates.setdefault(f"{kind} {way}", []).append(num * BLOCK_BYTES / seconds)
+                if rep < 0:
+                    continue
+                total = num * BLOCK_BYTES  # NOTE: the reference, once per repeat, beside the reloads
+                rates.setdefault("memcpy", []).append(total / memcpy_seconds(total, repeats=1))
+                rates.setdefault("memcpy by block", []).append(
+                    total / memcpy_seconds(total, repeats=1, block_bytes=BLOCK_BYTES))
+                rows_u8 = pool.storage.view(torch.uint8).view(num + 8, -1).numpy()
+                evict_cpu_caches()
+                t0 = time.perf_counter()
+                for i in range(num):
+                    xxhash.xxh3_128_digest(rows_u8[i])
+                rates.setdefault("xxh3", []).append(total / (time.perf_counter() - t0))
+            assert torch.equal(pool.storage[:num].view(torch.uint8), expected), f"{kind}: the reloaded pool differs from what was stored"
+            offload.close()
+        row = {"prefix_tokens": tokens, "kv_bytes": num * BLOCK_BYTES, "repeats": repeats}
+        row.update({f"{k} GB/s": statistics.median(v) / 1e9 for k, v in rates.items()})
+        row.update({f"{k} minor faults": statistics.median(v) for k, v in page_faults.items()})
+        rows.append(row)
+        print(json.dumps(row), file=sys.stderr, flush=True)
+        del pool, expected
+    return rows
+
+
+def reload_markdown(rows: list[dict]) -> str:
+    """Two tables: GB/s (and the share of the same run's one-call memcpy) per path, then the
+    minor page faults per reload."""
+    paths = [f"{k} {w}" for k in ("host", "lmdb") for w in WAYS]
+    lines = ["| prefix tokens | KV MB | memcpy GB/s | memcpy by block | xxh3 alone | "
+             + " | ".join(paths) + " |", "|---:|---:|---:|---:|---:|" + "---:|" * len(paths)]
+    for r in rows:
+        memcpy = r["memcpy GB/s"]
+        cells = [f"{r[f'{p} GB/s']:.2f} ({r[f'{p} GB/s'] / memcpy:.0%})" if f"{p} GB/s" in r else "-" for p in paths]
+        lines.append(f"| {r['prefix_tokens']} | {r['kv_bytes'] / 1e6:.0f} | {memcpy:.2f} | {r['memcpy by block GB/s']:.2f} "
+                     f"| {r['xxh3 GB/s']:.2f} | " + " | ".join(cells) + " |")
+    lines += ["", "| prefix tokens | " + " | ".join(f"{p} faults" for p in paths) + " |",
+              "|---:|" + "---:|" * len(paths)]
+    for r in rows:
+        lines.append(f"| {r['prefix_tokens']} | " + " | ".join(
+            f"{r[f'{p} minor faults']:.0f}" if f"{p} minor faults" in r else "-" for p in paths) + " |")
+    return "\n".join(lines)
+
+
 def start_redis(workdir: str):
     binary = shutil.which("redis-server")
     if binary is None:
@@ -175,7 +347,22 @@ def main(argv=None) -> None:
     parser.add_argument("--batch", type=int, default=8, help="blocks per tier call")
     parser.add_argument("--repeats", type=int, default=5, help="runs per measurement (median)")
     parser.add_argument("--markdown", action="store_true", help="print a Markdown table")
+    parser.add_argument("--reload-tokens", help="prefix lengths (tokens, multiples of 16), e.g. 2048,4096,8192: "
+                        "measure whole-prefix reloads instead (see reload_rows)")
+    parser.add_argument("--threads", type=int, default=1, help="torch.set_num_threads")
     args = parser.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    if args.reload_tokens:
+        sizes = [int(s) for s in args.reload_tokens.split(",")]
+        if any(s <= 0 or s % 16 for s in sizes):
+            parser.error(f"--reload-tokens: {sizes} must be positive multiples of 16")
+        print(f"CPU: {cpu_description()}; load average {os.getloadavg()}")
+        with tempfile.TemporaryDirectory(prefix="corekv-bench-") as workdir:
+            rows = reload_rows(sizes, args.repeats, workdir)
+        print(f"median of {args.repeats}; torch {torch.__version__}, Python {sys.version.split()[0]}; "
+              f"load average {os.getloadavg()}")
+        print(reload_markdown(rows) if args.markdown else json.dumps(rows, indent=1))
+        return
     total = args.blocks * BLOCK_BYTES
     kw = {"block_bytes": BLOCK_BYTES, "fingerprint": FINGERPRINT, "dtype": "float32", "shape": SHAPE}
     rows = [(name, None, None, rate) for name, rate in memcpy_rates(total, args.repeats).items()]

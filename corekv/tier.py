@@ -18,6 +18,7 @@ methods share its checks, lock, statistics and fault handling (the verify thread
 """
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 import threading
@@ -44,11 +45,11 @@ _verifier_lock = threading.Lock()
 
 
 def _verify_thread() -> ThreadPoolExecutor:
-    """The one thread (shared by every tier) that checks entries while ``get_into`` copies.
+    """The one thread (shared by every tier) that checks and copies entries beside ``get_into``'s caller.
 
     NOTE: a reload reads each entry twice, once to checksum it and once to copy it, and xxhash
-    and numpy's copy both release the GIL: checking entry i+1 on this thread while the caller
-    copies entry i overlaps the two passes (BENCHMARKS.md, "Tiers in the engine").
+    and numpy's copy both release the GIL: a second thread doing half the entries halves the
+    time (BENCHMARKS.md, "Tiers in the engine", "Reload bandwidth at every size").
     """
     global _verifier
     with _verifier_lock:
@@ -182,22 +183,39 @@ class Tier(ABC):
         bad_keys = []
 
         def visit(found: list[tuple[int, Any]]) -> None:
-            # an entry is copied only after its check passed; the next one is checked meanwhile
-            checks: list[Future] = ([_verify_thread().submit(self.codec.decode, keys[i], entry) for i, entry in found]
-                                    if len(found) > 1 else [])
-            try:
-                for n, (index, entry) in enumerate(found):
+            # NOTE: the caller and the verify thread take entries from one counter (atomic under
+            # the GIL) and each checks an entry, then copies it while its bytes are still in that
+            # core's cache: one read from memory per byte, no hand-off per entry, and whichever
+            # thread runs takes the next entry (BENCHMARKS.md, "Reload bandwidth at every size").
+            counter = itertools.count()
+            outcomes: list[EntryError | None] = [None] * len(found)
+
+            def check_and_copy() -> None:
+                for n in counter:
+                    if n >= len(found):
+                        return
+                    index, entry = found[n]
                     try:
-                        payload = checks[n].result() if checks else self.codec.decode(keys[index], entry)
-                        # NOTE: numpy's copy runs at memcpy speed; a memoryview slice assignment
-                        # of the same bytes runs well below it (BENCHMARKS.md, "Tier bandwidth").
-                        np.copyto(views[index], np.frombuffer(payload, dtype=np.uint8))
-                        hits[index] = True
+                        payload = self.codec.decode(keys[index], entry)
                     except EntryError as e:
-                        self._record_fault(keys[index], e)
-                        bad_keys.append(keys[index])
+                        outcomes[n] = e  # never copied: an entry is copied only after its check passed
+                        continue
+                    np.copyto(views[index], np.frombuffer(payload, dtype=np.uint8))
+
+            helper = _verify_thread().submit(check_and_copy) if len(found) > 1 else None
+            try:
+                check_and_copy()
             finally:
-                wait(checks)  # the entries may be views that end with this call
+                if helper is not None:
+                    wait([helper])  # the entries may be views that end with this call
+            if helper is not None:
+                helper.result()  # a bug on the verify thread raises here, as on the caller's
+            for (index, _), error in zip(found, outcomes):
+                if error is None:
+                    hits[index] = True
+                else:
+                    self._record_fault(keys[index], error)
+                    bad_keys.append(keys[index])
 
         with self._lock:
             self._check_open()

@@ -213,7 +213,10 @@ class LMDBTier(Tier):
     def _write_txn(self, items) -> int:
         now = time.time_ns().to_bytes(8, "little")
         num_written = num_bytes = 0
-        with self.env.begin(write=True) as txn:
+        # NOTE: buffers=True: a get then returns a view of the map, not a copy of the whole entry;
+        # the stamps' presence checks copied every stamped block (a 4K-token reload's flush: 188
+        # MB, a quarter of that reload's time; BENCHMARKS.md, "Reload bandwidth at every size").
+        with self.env.begin(write=True, buffers=True) as txn:
             for db_key, stamp in self._pending_access.items():
                 if txn.get(db_key, db=self._blocks) is not None:  # it may have been evicted since
                     txn.put(db_key, stamp.to_bytes(8, "little"), db=self._access)

@@ -1,4 +1,4 @@
-"""Whole blocks between the KV pool and host buffers: snapshots out, tier reads in.
+"""Whole blocks between the KV pool and host buffers: snapshots out, tier reads in, staging rows.
 
 A pool is anything with ``num_blocks``, ``bytes_per_block``, ``block_shape``, ``device``,
 ``read_blocks(ids)`` and ``write_blocks(ids, data)`` (corekv's :class:`~corekv.engine.kv_pool.KVPool`,
@@ -12,6 +12,7 @@ storage: each block is one contiguous run of bytes, and torch's gathers and scat
 """
 from __future__ import annotations
 
+import threading
 from collections.abc import Sequence
 
 import numpy as np
@@ -20,7 +21,7 @@ import torch
 from corekv.hashing import BlockHash
 from corekv.tier import Tier
 
-__all__ = ["pool_rows", "snapshot_blocks", "load_into_pool", "write_rows"]
+__all__ = ["pool_rows", "snapshot_blocks", "load_into_pool", "write_rows", "StagingBuffers"]
 
 
 def pool_rows(pool) -> np.ndarray | None:
@@ -74,3 +75,57 @@ def load_into_pool(pool, tier: Tier, keys: list[BlockHash], block_ids: list[int]
     if num_ok:
         pool.write_blocks(block_ids[:num_ok], staging[:num_ok])
     return flags
+
+
+class StagingBuffers:
+    """Host rows that prefetched blocks are staged in before admission copies them into ``pool``.
+
+    :meth:`take` lends a uint8 ``[rows, bytes_per_block]`` tensor of at least the rows asked for
+    (pinned for an accelerator); :meth:`give_back` returns it once nothing reads it any more. On
+    a CPU pool the largest buffer given back is kept and lent whole to the next job it fits;
+    otherwise every :meth:`take` allocates and a given-back buffer is dropped.
+
+    Invariants: at most one buffer is kept, and it is never lent twice at once (a job that comes
+    while it is lent, or needs more rows than it has, gets a fresh buffer); a kept buffer is at
+    most as large as the largest one lent, so the host memory staging holds between jobs is
+    bounded by the prefetch bound that sized the jobs. ``take`` and ``give_back`` may run on
+    different threads.
+
+    NOTE: a whole prefix's staging (94 MB for 2K tokens of SmolLM2 in float32) is far above
+    glibc's mmap threshold, so a fresh buffer is mapped anew for every job, each of its 4 KiB
+    pages faults in as the tier's bytes land in it, and it is unmapped at release: the faults
+    cost several times the copy (BENCHMARKS.md, "Reload bandwidth at every size"). Keeping the
+    pages takes each fault once. Only on a CPU pool: an accelerator's pinned staging is copied
+    asynchronously (reusing it would race the copy) and torch's pinned-memory allocator already
+    caches it with the copy's completion in mind.
+    """
+
+    def __init__(self, pool):
+        self.bytes_per_block = pool.bytes_per_block
+        self.is_pinned = pool.device.type != "cpu"
+        self.is_recycled = not self.is_pinned
+        self._kept: torch.Tensor | None = None
+        self._lock = threading.Lock()
+
+    def take(self, num_rows: int) -> torch.Tensor:
+        """At least ``num_rows`` staging rows (their content is undefined)."""
+        with self._lock:
+            kept = self._kept
+            if self.is_recycled and kept is not None and kept.shape[0] >= num_rows:
+                self._kept = None
+                return kept
+        # NOTE: empty() does not fault the pages in; rows a job never reaches stay untouched.
+        return torch.empty((num_rows, self.bytes_per_block), dtype=torch.uint8, pin_memory=self.is_pinned)
+
+    def give_back(self, rows: torch.Tensor | None) -> None:
+        """``rows`` (what :meth:`take` returned) are no longer read by anyone: keep them for reuse."""
+        if rows is None or not self.is_recycled:
+            return
+        with self._lock:
+            if self._kept is None or rows.shape[0] > self._kept.shape[0]:
+                self._kept = rows
+
+    def snapshot(self, rows: torch.Tensor) -> torch.Tensor:
+        """``rows`` for a reader that outlives the job (a queued tier write): a copy when the
+        buffer will be lent again, else the rows themselves."""
+        return rows.clone() if self.is_recycled else rows

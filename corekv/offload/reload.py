@@ -15,7 +15,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from corekv.hashing import BlockHash, PrefixKey
-from corekv.offload.pool_io import load_into_pool, snapshot_blocks, write_rows
+from corekv.offload.pool_io import StagingBuffers, load_into_pool, snapshot_blocks, write_rows
 from corekv.offload.prefetch import Prefetch, Prefetcher, TierRun
 from corekv.offload.tier_calls import safe_tier_call as _safe
 from corekv.tier import Tier
@@ -63,6 +63,7 @@ class Reloader:
         self.kv_pool = kv_pool
         self.counters = counters
         self.on_loaded = on_loaded
+        self.staging = StagingBuffers(kv_pool)
 
     def lookup(self, key: PrefixKey, start: int, stop: int) -> list[TierRun]:
         """Runs of blocks ``start .. stop - 1`` of ``key`` held by the tiers, from ``start`` on."""
@@ -128,7 +129,9 @@ class Reloader:
                     break
         finally:
             if staged is not None:
+                rows = staged.staging
                 prefetcher.release(staged, num_used)
+                self.staging.give_back(rows)
         return loaded
 
     def stage(self, prefetch: Prefetch, max_blocks: int, reserve) -> None:
@@ -140,12 +143,10 @@ class Reloader:
         total = min(sum(run.num_blocks for run in runs), max_blocks)
         if total == 0:
             return
-        pool = self.kv_pool
         reserve(total)
-        # NOTE: pinned staging makes the host-to-device copy at admission asynchronous; rows'
-        # pages are touched only if they are used (empty() does not fault them in).
-        prefetch.staging = torch.empty((total, pool.bytes_per_block), dtype=torch.uint8,
-                                       pin_memory=pool.device.type != "cpu")
+        # NOTE: pinned staging (on an accelerator) makes the host-to-device copy at admission
+        # asynchronous; on a CPU pool the rows are recycled between jobs (StagingBuffers says why).
+        prefetch.staging = self.staging.take(total)
         staging_rows = prefetch.staging.numpy()
         hashes, offset = key.block_hashes, 0
         for run in runs:
@@ -191,5 +192,5 @@ class Reloader:
             loaded[tier.name] = loaded.get(tier.name, 0) + hi - lo
             self.counters[f"{tier.name}.reloaded"] += hi - lo
             self.counters[f"{tier.name}.prefetched"] += hi - lo
-            self.on_loaded(run.tier_index, keys, lambda rows=rows: rows)
+            self.on_loaded(run.tier_index, keys, lambda rows=rows: self.staging.snapshot(rows))
         return last - first
