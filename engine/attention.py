@@ -9,8 +9,9 @@ The batch layout is fixed by :class:`corekv.engine.model_runner.ModelRunner`: th
 ``num_decode_tokens`` tokens are single-token chunks (decodes, batched per :class:`DecodeGroup` into
 one padded SDPA call over gathered blocks, or one call of the native kernel that reads the pool
 itself (``engine.compile`` on CPU), plus one for the group's shared leading blocks); the rest are
-prefill chunks (per :class:`PrefillGroup` two calls, then one masked SDPA call for each other chunk;
-or, native, one call of a kernel that reads the pool for all of them).
+prefill chunks (per :class:`PrefillGroup` two calls, per :class:`ShortChunkGroup` one padded call, then
+one masked SDPA call for each other chunk; or, native, one call of a kernel that reads the pool for
+all of them).
 
 The runner hands each step's :class:`AttentionMetadata` over through :func:`forward_context`.
 Called outside one (e.g. by ``model.generate``) it is exactly transformers' SDPA attention, so a
@@ -26,7 +27,7 @@ import torch.nn.functional as F
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-from corekv.engine.step_metadata import AttentionMetadata, DecodeGroup, PrefillGroup
+from corekv.engine.step_metadata import AttentionMetadata, DecodeGroup, PrefillGroup, ShortChunkGroup
 from corekv.errors import CoreKVError
 
 ATTENTION_NAME = "corekv_paged"
@@ -138,6 +139,9 @@ def _paged_attention(meta: AttentionMetadata, layer_idx: int, query, key, value,
     for group in meta.prefill_groups:
         out[group.token_start:group.token_end] = _prefill_group_attention(
             query, key, value, k_cache, v_cache, group, meta.buffers, scaling)
+    for group in meta.short_groups:
+        out[group.token_start:group.token_end] = _short_group_attention(queries, k_cache, v_cache, group,
+                                                                        meta.buffers, num_kv_heads, scaling)
     gqa = num_heads != num_kv_heads
     for chunk in meta.prefills:
         q = query[:, :, chunk.token_start:chunk.token_end]
@@ -206,6 +210,24 @@ def _prefill_group_attention(query, key, value, k_cache, v_cache, group: Prefill
                     out_own.transpose(0, 1).reshape(num_heads, num_tokens, head_dim),
                     lse_own.transpose(0, 1).reshape(num_heads, num_tokens))
     return merged.transpose(0, 1)
+
+
+def _short_group_attention(queries, k_cache, v_cache, group: ShortChunkGroup, buffers: dict, num_kv_heads: int,
+                           scaling) -> torch.Tensor:
+    """``[tokens, num_heads, head_dim]`` attention of one :class:`ShortChunkGroup`'s chunks.
+
+    NOTE: as for decodes, a KV head's query heads become rows of one call ([chunks, Hkv, q * G, D]),
+    so K/V is gathered once per chunk and never repeated per query head.
+    """
+    n, q = group.num_chunks, group.chunk_len
+    _, num_heads, head_dim = queries.shape
+    per_kv = num_heads // num_kv_heads
+    rows = queries[group.token_start:group.token_end].reshape(n, q, num_kv_heads, per_kv, head_dim)
+    rows = rows.transpose(1, 2).reshape(n, num_kv_heads, q * per_kv, head_dim)
+    k = _gather(k_cache, group.block_tables, buffers, "k")
+    v = _gather(v_cache, group.block_tables, buffers, "v")
+    o = F.scaled_dot_product_attention(rows, k, v, attn_mask=group.mask, scale=scaling)
+    return o.view(n, num_kv_heads, q, per_kv, head_dim).transpose(1, 2).reshape(n * q, num_heads, head_dim)
 
 
 def _shared_attention(rows, k_cache, v_cache, blocks, buffers: dict, scaling):

@@ -16,7 +16,8 @@ import torch
 
 from corekv.errors import CoreKVError
 from corekv.engine.attention import ATTENTION_NAME, forward_context
-from corekv.engine.step_metadata import AttentionMetadata, DecodeGroup, PrefillBatch, PrefillGroup, PrefillSlice
+from corekv.engine.step_metadata import (AttentionMetadata, DecodeGroup, PrefillBatch, PrefillGroup, PrefillSlice,
+                                         ShortChunkGroup)
 from corekv.engine.cpu.linears import use_native_linears
 from corekv.engine.kv_pool import KVPool
 from corekv.engine.models import LoadedModel
@@ -34,6 +35,9 @@ class ScheduledChunk:
     token_ids: list[int]
     start_pos: int
     block_table: list[int]
+    #: logits rows wanted: those of the chunk's last ``num_logits`` tokens (a speculative
+    #: verification needs one per draft token, plus one)
+    num_logits: int = 1
 
 
 #: decodes (or equal prefill chunks) sharing leading blocks take the cascade path only when it saves
@@ -44,6 +48,11 @@ class ScheduledChunk:
 #: when it saves >= 1,024 tokens of gathering"), where the saving is a gather. The native decode
 #: kernel reads blocks in place, so its own break-even may lie elsewhere.
 CASCADE_MIN_SAVED_TOKENS = 1024
+#: prefill chunks of at most this many tokens after some context (a decode and its drafts) share one
+#: padded attention call per length (:class:`ShortChunkGroup`) instead of a masked call each
+#: NOTE: a speculative step verifies one such chunk per decoding sequence; one call per chunk per
+#: layer would cost more than the drafts save on a large batch
+SHORT_CHUNK_MAX_TOKENS = 32
 
 
 class ModelRunner:
@@ -74,6 +83,7 @@ class ModelRunner:
         self.block_size = kv_pool.block_size
         self.device = kv_pool.device
         self._gather_buffers: dict[str, torch.Tensor] = {}
+        self._queries_per_kv_head = loaded.hf_config.num_attention_heads // loaded.num_kv_heads
         self._cascade_min_saved_blocks = -(-cascade_min_saved_tokens // self.block_size)
         if not isinstance(compile, bool):
             raise CoreKVError(f"ModelRunner: compile must be True or False, got {compile!r}")
@@ -99,7 +109,9 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, chunks: Sequence[ScheduledChunk]) -> torch.Tensor:
-        """Run one step; returns float32 logits ``[len(chunks), vocab]`` of each chunk's last token."""
+        """Run one step; returns float32 logits ``[len(chunks), vocab]`` of each chunk's last token
+        (with ``num_logits > 1`` chunks: ``[sum of num_logits, vocab]``, each chunk's rows together,
+        in chunk order, its tokens in position order)."""
         if not chunks:
             raise CoreKVError("ModelRunner.execute: chunks is empty; schedule at least one chunk")
         self._validate(chunks)
@@ -112,10 +124,12 @@ class ModelRunner:
                                 min_saved_blocks=self._cascade_min_saved_blocks)
         order = [decode_ids[row] for rows, _ in groups for row in rows]
         prefill_groups, plain_prefills = self._prefill_groups(chunks)
-        order += [i for ids, _ in prefill_groups for i in ids] + plain_prefills
+        short_groups, plain_prefills = self._short_groups(chunks, plain_prefills)
+        order += [i for ids, _ in prefill_groups for i in ids] + [i for ids in short_groups for i in ids] + plain_prefills
         ordered = [chunks[i] for i in order]
         meta, input_ids, positions, last_index = self._prepare(ordered, [(len(rows), n) for rows, n in groups],
-                                                               [(len(ids), n) for ids, n in prefill_groups])
+                                                               [(len(ids), n) for ids, n in prefill_groups],
+                                                               [len(ids) for ids in short_groups])
         with forward_context(meta):
             out = self._forward(input_ids=input_ids[None], position_ids=positions[None], use_cache=False,
                                 logits_to_keep=last_index)
@@ -126,6 +140,8 @@ class ModelRunner:
                 "so corekv cannot serve it: use a model whose attention dispatches through the interface"
             )
         logits = out.logits[0].float()
+        if len(logits) != len(chunks):
+            return logits[_caller_rows([c.num_logits for c in ordered], order).to(logits.device)]
         result = torch.empty_like(logits)
         result[torch.tensor(order, device=logits.device)] = logits
         return result
@@ -171,8 +187,24 @@ class ModelRunner:
                 plain += ids
         return groups, sorted(plain)
 
+    def _short_groups(self, chunks: Sequence[ScheduledChunk], plain: list[int]) -> tuple[list[list[int]], list[int]]:
+        """``(groups of chunk ids, the other plain ids)``: the plain prefill chunks of 2 ..
+        ``SHORT_CHUNK_MAX_TOKENS`` tokens after some context, grouped by length (torch path only:
+        the native kernel takes every chunk in one call anyway)."""
+        if self._native is not None:
+            return [], plain
+        by_length: dict[int, list[int]] = {}
+        rest = []
+        for i in plain:
+            n = len(chunks[i].token_ids)
+            if chunks[i].start_pos and n <= SHORT_CHUNK_MAX_TOKENS:
+                by_length.setdefault(n, []).append(i)
+            else:
+                rest.append(i)
+        return list(by_length.values()), rest
+
     def _prepare(self, chunks: list[ScheduledChunk], group_sizes: list[tuple[int, int]],
-                 prefill_group_sizes: list[tuple[int, int]]):
+                 prefill_group_sizes: list[tuple[int, int]], short_group_sizes: list[int]):
         bs, device = self.block_size, self.device
         lengths = [len(c.token_ids) for c in chunks]
         starts = [c.start_pos for c in chunks]
@@ -201,6 +233,11 @@ class ModelRunner:
                 begin, begin + num_chunks * lengths[first_plain], num_chunks,
                 torch.tensor(tables[first_plain][:num_shared], dtype=torch.long, device=device)))
             first_plain += num_chunks
+        short_groups = []
+        for num_chunks in short_group_sizes:
+            short_groups.append(self._short_group(int(token_starts[first_plain]), tables[first_plain:first_plain + num_chunks],
+                                                  starts[first_plain:first_plain + num_chunks], lengths[first_plain]))
+            first_plain += num_chunks
         prefill_batch = None
         if self._native is not None and first_plain < len(chunks):  # one native call for them all
             prefill_batch = self._prefill_batch(tables, lengths, starts, first_plain)
@@ -214,6 +251,7 @@ class ModelRunner:
             num_decode_tokens=num_decode,
             decode_groups=decode_groups,
             prefill_groups=prefill_groups,
+            short_groups=short_groups,
             prefills=prefills,
             prefill_batch=prefill_batch,
             buffers=self._gather_buffers,
@@ -221,6 +259,9 @@ class ModelRunner:
         )
         input_ids = torch.tensor(list(chain.from_iterable(c.token_ids for c in chunks)), dtype=torch.long)
         last_index = torch.cumsum(lengths_t, 0) - 1
+        if any(c.num_logits != 1 for c in chunks):
+            last_index = torch.cat([torch.arange(int(end) - c.num_logits + 1, int(end) + 1)
+                                    for c, end in zip(chunks, last_index)])
         return meta, input_ids.to(device), positions.to(device), last_index.to(device)
 
     def _prefill_batch(self, tables, lengths, starts, first: int) -> PrefillBatch:
@@ -251,6 +292,18 @@ class ModelRunner:
                                          torch.tensor(tables[i], dtype=torch.long, device=device), mask))
         return prefills
 
+    def _short_group(self, token_start: int, tables: list[list[int]], starts: list[int], chunk_len: int) -> ShortChunkGroup:
+        """One :class:`ShortChunkGroup`: padded block tables and the mask of its ``(t, g)`` rows."""
+        bs, device = self.block_size, self.device
+        max_blocks = max(len(t) for t in tables)
+        padded = torch.tensor([t + [0] * (max_blocks - len(t)) for t in tables], dtype=torch.long)
+        last_visible = torch.tensor(starts)[:, None] + torch.arange(chunk_len)[None]  # [chunks, t]
+        hidden = torch.arange(max_blocks * bs)[None, None] > last_visible[:, :, None]
+        mask = torch.zeros(hidden.shape, dtype=self.kv_pool.dtype).masked_fill_(hidden, float("-inf"))
+        mask = mask.repeat_interleave(self._queries_per_kv_head, dim=1)[:, None]
+        return ShortChunkGroup(token_start, token_start + len(tables) * chunk_len, len(tables), chunk_len,
+                               padded.to(device), mask.to(device))
+
     def _decode_group(self, row_start: int, tables: list[list[int]], starts: list[int], num_shared: int) -> DecodeGroup:
         """Padded block tables (after the shared blocks) and additive padding mask of one group."""
         bs, device = self.block_size, self.device
@@ -276,6 +329,9 @@ class ModelRunner:
                     f"ModelRunner.execute: a chunk needs >= 1 token and start_pos >= 0, got "
                     f"{len(chunk.token_ids)} tokens at start_pos={chunk.start_pos!r}"
                 )
+            if not isinstance(chunk.num_logits, int) or not 1 <= chunk.num_logits <= len(chunk.token_ids):
+                raise CoreKVError(f"ModelRunner.execute: a chunk's num_logits must be an int in 1..its "
+                                  f"{len(chunk.token_ids)} tokens, got {chunk.num_logits!r}")
             needed = (chunk.start_pos + len(chunk.token_ids) + bs - 1) // bs
             if len(chunk.block_table) < needed:
                 raise CoreKVError(
@@ -289,6 +345,17 @@ class ModelRunner:
                     f"ModelRunner.execute: block_table {table} has ids outside [0, {num_blocks}); "
                     "this indicates a bug in the block allocation"
                 )
+
+
+def _caller_rows(num_logits: list[int], order: list[int]) -> torch.Tensor:
+    """Indexes into the runner-ordered logits rows (``num_logits[j]`` rows for ordered chunk ``j``,
+    which is the caller's chunk ``order[j]``) that put them back in the caller's chunk order."""
+    starts = [0]
+    for n in num_logits:
+        starts.append(starts[-1] + n)
+    position = {chunk: j for j, chunk in enumerate(order)}
+    return torch.tensor([row for i in range(len(order))
+                         for row in range(starts[position[i]], starts[position[i] + 1])])
 
 
 def cascade_groups(tables: list[list[int]], *, min_saved_blocks: int = 0) -> list[tuple[list[int], int]]:

@@ -46,6 +46,27 @@ class PrefillGroup:
 
 
 @dataclass
+class ShortChunkGroup:
+    """``num_chunks`` prefill chunks of ``chunk_len`` tokens each (2 .. ``SHORT_CHUNK_MAX_TOKENS``,
+    e.g. a decode and the drafts it verifies), adjacent in the flattened batch (tokens
+    ``[token_start, token_end)``), each after its own context: one padded call like a decode
+    group's, instead of one masked call per chunk.
+
+    Invariant: chunk ``c``'s query heads of KV head ``h`` are rows ``(t, g)`` (token ``t``, query
+    head ``h * G + g``) of ``mask[c, 0]``, which hides the padding and each token's later ones.
+    """
+
+    token_start: int
+    token_end: int
+    num_chunks: int
+    chunk_len: int
+    #: long [chunks, num_blocks] (padded with block 0)
+    block_tables: torch.Tensor
+    #: additive (0 / -inf) [chunks, 1, chunk_len * G, num_blocks * block_size]
+    mask: torch.Tensor
+
+
+@dataclass
 class PrefillBatch:
     """Every prefill chunk of the step, for the native kernel (one call per layer): chunk ``c``'s
     queries are the prefill tokens ``query_starts[c] .. query_starts[c + 1] - 1`` (counted after the
@@ -95,9 +116,11 @@ class AttentionMetadata:
     slot_offsets: torch.Tensor
     num_decode_tokens: int = 0
     decode_groups: list[DecodeGroup] = field(default_factory=list)
-    #: the prefill chunks after the decodes: first the groups', then each remaining one's slice
-    #: (torch path), or all of them as one batch (native path)
+    #: the prefill chunks after the decodes: first the groups', then the short chunks' groups,
+    #: then each remaining one's slice (torch path), or all of them as one batch (native path)
     prefill_groups: list[PrefillGroup] = field(default_factory=list)
+    #: then the short chunks' groups (torch path)
+    short_groups: list[ShortChunkGroup] = field(default_factory=list)
     prefills: list[PrefillSlice] = field(default_factory=list)
     prefill_batch: PrefillBatch | None = None
     #: reusable gather buffers by name (owned by the runner, kept across steps; see ``_gather``)

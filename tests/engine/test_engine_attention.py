@@ -105,6 +105,30 @@ def test_two_prefill_chunks_with_cached_context_in_one_step(tiny_llama, hf_atten
     torch.testing.assert_close(logits, torch.stack([ref_a[-1], ref_b[-1]]), rtol=1e-5, atol=1e-5)
 
 
+@ATTENTION_PATHS
+def test_verification_chunks_return_a_logits_row_per_token_and_match_hf(tiny_llama, hf_attention, native):
+    """A speculative step: decodes with 1 + k tokens each (two of 4 tokens, one of 3: two short-chunk
+    groups on the torch path) beside a plain decode and a prefill chunk; ``num_logits`` rows per
+    chunk, in chunk order, each equal to the HF forward's at its position."""
+    seqs = [random_ids(60 + i, n) for i, n in enumerate([40, 23, 37, 50, 30])]
+    references = [reference_logits(tiny_llama, hf_attention, s) for s in seqs]
+    runner = make_runner(tiny_llama, num_blocks=64, block_size=16, native=native)
+    tables = shuffled_tables(64, [3, 2, 3, 4, 2], seed=7)
+    cut = [36, 20, 33, 49, 10]  # tokens already computed
+    runner.execute([ScheduledChunk(s[:c], 0, t) for s, c, t in zip(seqs, cut, tables)])
+    chunks = [ScheduledChunk(seqs[0][36:40], 36, tables[0], num_logits=4),
+              ScheduledChunk(seqs[1][20:23], 20, tables[1], num_logits=3),
+              ScheduledChunk(seqs[4][10:30], 10, tables[4]),
+              ScheduledChunk(seqs[2][33:37], 33, tables[2], num_logits=4),
+              ScheduledChunk(seqs[3][49:50], 49, tables[3])]
+    logits = runner.execute(chunks)
+    expected = torch.cat([references[0][36:40], references[1][20:23], references[4][-1:], references[2][33:37],
+                          references[3][-1:]])
+    torch.testing.assert_close(logits, expected, rtol=1e-5, atol=1e-5)
+    with pytest.raises(CoreKVError, match="num_logits"):
+        runner.execute([ScheduledChunk(seqs[0][36:38], 36, tables[0], num_logits=3)])
+
+
 def test_step_writes_only_its_own_slots(tiny_llama):
     runner = make_runner(tiny_llama, num_blocks=8, block_size=16)
     pool = runner.kv_pool
