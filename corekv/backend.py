@@ -158,6 +158,16 @@ class PrefixCacheBackend(ABC):
         """Blocks ``allocate`` could hand out now: free ones plus evictable cached ones."""
 
     @property
+    def num_empty_blocks(self) -> int:
+        """Blocks ``allocate`` could hand out now without evicting a cached one (speculative
+        decoding takes its draft slots only from these, so it never displaces a cached prefix).
+
+        NOTE: the default, ``num_free_blocks``, is right for a backend that caches nothing;
+        a caching backend overrides it, else speculation may evict idle cached blocks.
+        """
+        return self.num_free_blocks
+
+    @property
     @abstractmethod
     def num_pinned_blocks(self) -> int:
         """Blocks kept resident by ``pin``."""

@@ -135,24 +135,48 @@ class BlockManager:
 
         :returns: False (and no change) if that needs a block and the pool has none.
         """
+        return self.append_slots(seq, 1)
+
+    def append_slots(self, seq: Sequence, num_tokens: int, *, num_reserved_blocks: int = 0) -> bool:
+        """Make sure the slots of the next ``num_tokens`` tokens (a decode and the drafts it
+        verifies) are in blocks ``seq`` may write: a private copy of a shared block, fresh blocks
+        past the table's end.
+
+        :param num_reserved_blocks: with it, the blocks come only from empty ones (no cached block
+            is evicted for them), and this many must stay free afterwards.
+        :returns: False (and no change) if the pool cannot supply the blocks (and the reserve).
+        """
         index = seq.num_computed_tokens // self.block_size
-        if index == len(seq.block_table):
-            fresh = self.backend.allocate(1)
-            if fresh is None:
-                return False
-            seq.block_table.append(fresh[0])
+        # NOTE: only the block of the first slot can be shared: a table holds at most the blocks
+        # of the computed tokens and the next one, and a fork shares exactly its parent's table
+        is_shared = index < len(seq.block_table) and bool(self.shared_refs.get(seq.block_table[index]))
+        num_new = max(0, blocks_for(seq.num_computed_tokens + num_tokens, self.block_size) - len(seq.block_table))
+        num_needed = num_new + is_shared
+        if num_needed == 0:
             return True
-        block_id = seq.block_table[index]
-        if not self.shared_refs.get(block_id):
-            return True
-        fresh = self.backend.allocate(1)
+        if num_reserved_blocks and (self.backend.num_empty_blocks < num_needed
+                                    or self.backend.num_free_blocks < num_needed + num_reserved_blocks):
+            return False
+        fresh = self.backend.allocate(num_needed)
         if fresh is None:
             return False
-        self.kv_pool.copy_blocks([block_id], fresh)
-        self._drop_share(block_id)
-        seq.block_table[index] = fresh[0]
-        self.num_cow_copies += 1
+        if is_shared:
+            block_id = seq.block_table[index]
+            self.kv_pool.copy_blocks([block_id], fresh[:1])
+            self._drop_share(block_id)
+            seq.block_table[index] = fresh.pop(0)
+            self.num_cow_copies += 1
+        seq.block_table.extend(fresh)
         return True
+
+    def release_lookahead(self, seq: Sequence) -> None:
+        """Return the blocks past ``seq``'s computed tokens (reached only by rejected drafts), so
+        it holds what it would without speculation."""
+        keep = blocks_for(seq.num_computed_tokens, self.block_size)
+        if len(seq.block_table) > keep:
+            released = [b for b in seq.block_table[keep:] if not self._drop_share(b)]
+            del seq.block_table[keep:]
+            self.backend.free(released)
 
     def cache_full_blocks(self, seq: Sequence) -> None:
         """Offer ``seq``'s newly completed full blocks to the backend (they become hittable)."""

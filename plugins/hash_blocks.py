@@ -176,6 +176,10 @@ class HashBlockBackend(PrefixCacheBackend):
         return len(self._empty) + len(self._lru)
 
     @property
+    def num_empty_blocks(self) -> int:
+        return len(self._empty)
+
+    @property
     def num_pinned_blocks(self) -> int:
         return self._pins.num_pinned_blocks
 

@@ -210,6 +210,10 @@ class RadixBackend(RadixTreeOps, PrefixCacheBackend):
         return len(self._free) + self._num_evictable_blocks
 
     @property
+    def num_empty_blocks(self) -> int:
+        return len(self._free)
+
+    @property
     def num_pinned_blocks(self) -> int:
         return self._pins.num_pinned_blocks
 

@@ -123,6 +123,17 @@ class BackendTests:
         assert not set(b.allocate(3)) & set(first)
         assert b.allocate(0) == []
 
+    def test_empty_blocks_are_the_free_ones_that_cache_nothing(self):
+        b, bs = self.backend(8), self.block_size
+        assert b.num_empty_blocks == 8
+        request = Request(b, tokens(2 * bs + 1))
+        num_cached = request.key.num_full_blocks
+        assert b.num_empty_blocks == 8 - len(request.table)
+        request.finish()
+        assert (b.num_empty_blocks, b.num_free_blocks) == (8 - num_cached, 8)
+        assert len(b.allocate(b.num_empty_blocks)) == 8 - num_cached  # evicting nothing
+        assert b.num_empty_blocks == 0 and len(b.match(request.key)) == num_cached
+
     def test_referenced_blocks_are_never_evicted(self):
         b, bs = self.backend(4), self.block_size
         held = Request(b, tokens(2 * bs))
