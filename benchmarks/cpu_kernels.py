@@ -1,7 +1,19 @@
 """The CPU kernel choices behind corekv's engine, measured at SmolLM2-135M's shapes (BENCHMARKS.md, Engine).
 
-    python benchmarks/cpu_kernels.py [--threads 2] [--repeats 5]
+    python benchmarks/cpu_kernels.py [--threads 2] [--repeats 5] [--isa avx2] [--tables shapes,linears,...]
 
+The header names the CPU (vendor, model, torch's capability, the flags the kernels' choices read)
+and the instruction set of corekv's native kernels. ``--isa avx2`` runs the whole benchmark as on
+an AVX2 machine: it restarts itself with torch, MKL, oneDNN and the native kernels restricted to
+AVX2 (``corekv.engine.cpu.isa.RESTRICT_ENV``: ``ATEN_CPU_CAPABILITY``, ``MKL_ENABLE_INSTRUCTIONS``,
+``ONEDNN_MAX_CPU_ISA``).
+
+* ``shapes``: each distinct Linear shape of SmolLM2 (all 30 layers' weights of it, so they stream
+  from memory as in the engine; the tied ``lm_head`` once) at decode (1, 5, 32) and prefill (128,
+  1,024) row counts, by every GEMM corekv can choose: MKL (``F.linear``; float32 on the transposed
+  layout corekv stores), MKL's packed GEMM (float32), oneDNN on a packed copy, the native panel
+  kernel, and (bfloat16) float32 after upcasting input and weight. What
+  ``corekv.engine.cpu.linears`` chooses per shape and row count is measured here.
 * ``linears``: one decoder step's seven Linear weights of all 30 layers (so they stream from memory
   as in the engine) at 1 to 1,024 rows: ``F.linear`` on the row-major weight, on the transposed
   layout corekv stores for float32, the native kernel on a copy packed into 64-column panels
@@ -53,8 +65,9 @@ def linears(dtype, repeats):
     kernels = load_native_attention()
     variants["native panels"] = ([[kernels.pack_linear_weight(w) for w in layer] for layer in layers],
                                  lambda x, p: kernels.small_linear(x, p, None))
-    packed = [[torch.ops.mkldnn._reorder_linear_weight(w, 32) for w in layer] for layer in layers]
-    variants["oneDNN packed"] = (packed, lambda x, p: torch.ops.mkldnn._linear_pointwise(x, p, None, "none", [], ""))
+    if dtype == torch.float32 or torch.ops.mkldnn._is_mkldnn_bf16_supported():
+        packed = [[torch.ops.mkldnn._reorder_linear_weight(w, 32) for w in layer] for layer in layers]
+        variants["oneDNN packed"] = (packed, lambda x, p: torch.ops.mkldnn._linear_pointwise(x, p, None, "none", [], ""))
     if dtype == torch.bfloat16:
         variants["float32 upcast"] = (layers, lambda x, w: F.linear(x.float(), w.float()).to(dtype))
     rows = []
@@ -72,6 +85,65 @@ def linears(dtype, repeats):
         base = times[names[0]]
         lines.append(f"| {m} | " + " | ".join(f"{times[n]:.1f} ({times[n] / base:.2f}x)" for n in names) + " |")
     return "\n".join(lines)
+
+
+#: SmolLM2-135M's distinct Linear shapes (out, in), the layers holding each, and how many copies
+#: a forward reads (``lm_head`` is tied to the embedding: one, and it sees one row per sequence, so
+#: decode row counts only)
+LAYER_SHAPES = (("q_proj, o_proj", (576, 576), 30), ("k_proj, v_proj", (192, 576), 30),
+                ("gate_proj, up_proj", (1536, 576), 30), ("down_proj", (576, 1536), 30), ("lm_head", (49152, 576), 1))
+DECODE_ROWS, PREFILL_ROWS = (1, 5, 32), (128, 1024)
+
+
+def gemm_variants(dtype, weights, rows, kernels):
+    """The GEMMs corekv can choose for ``weights`` (one shape's copies) at ``rows`` rows, as
+    ``{name: (prepared copies, op(x, copy))}``; those this CPU (or restriction) lacks are left out."""
+    variants = {}
+    if dtype == torch.float32:
+        variants["MKL"] = ([w.t().contiguous().t() for w in weights], lambda x, w: F.linear(x, w))
+        # NOTE: packed for this row count, as inductor packs frozen linears for its batch size
+        packed = [(torch.ops.mkl._mkl_reorder_linear_weight(w, rows), w) for w in weights]
+        variants["MKL packed"] = (packed, lambda x, p: torch.ops.mkl._mkl_linear(x, p[0], p[1], None, rows))
+    else:
+        variants["F.linear"] = (weights, lambda x, w: F.linear(x, w))
+    if dtype == torch.float32 or torch.ops.mkldnn._is_mkldnn_bf16_supported():
+        packed = [torch.ops.mkldnn._reorder_linear_weight(w, rows) for w in weights]
+        variants["oneDNN packed"] = (packed, lambda x, p: torch.ops.mkldnn._linear_pointwise(x, p, None, "none", [], ""))
+    if kernels is not None:
+        variants["native panels"] = ([kernels.pack_linear_weight(w) for w in weights],
+                                     lambda x, p: kernels.small_linear(x, p, None))
+    if dtype == torch.bfloat16:
+        variants["float32 upcast"] = (weights, lambda x, w: F.linear(x.float(), w.float()).to(dtype))
+    return variants
+
+
+def linears_by_shape(dtype, repeats):
+    """Each SmolLM2 Linear shape at decode and prefill rows by every GEMM of :func:`gemm_variants`."""
+    from corekv.engine.cpu.native import NativeBuildError, load_native_attention
+
+    try:
+        kernels = load_native_attention()
+    except NativeBuildError:
+        kernels = None
+    name = str(dtype).split(".")[1]
+    header, lines = None, []
+    for label, (n, k), copies in LAYER_SHAPES:
+        weights = [torch.randn(n, k).to(dtype) for _ in range(copies)]
+        for m in DECODE_ROWS + (PREFILL_ROWS if copies > 1 else ()):
+            x = torch.randn(m, k).to(dtype)
+            times = {}
+            for variant, (prepared, op) in gemm_variants(dtype, weights, m, kernels).items():
+                times[variant] = median_ms(lambda: [op(x, w) for w in prepared], repeats)
+            if header is None:
+                header = list(times)
+            best = min(times.values())
+            cells = [f"**{times[v]:.2f}**" if times[v] == best else f"{times[v]:.2f} ({times[v] / best:.2f}x)"
+                     if v in times else "-" for v in header]
+            lines.append(f"| {label} {n}x{k} x{copies} | {m} | " + " | ".join(cells) + f" | {min(times, key=times.get)} |")
+        del weights
+    return "\n".join([f"**Linears by shape, {name}** (ms for all copies of the shape; ratio to the fastest, in bold)", "",
+                      "| shape (out x in, copies) | rows | " + " | ".join(header) + " | fastest |",
+                      "|---|---:|" + "---:|" * len(header) + "---|", *lines])
 
 
 def prefill_attention(repeats):
@@ -164,19 +236,68 @@ def decode_attention(repeats):
     return "\n".join(lines)
 
 
+def cpu_header(threads, repeats) -> str:
+    """The CPU, its restrictions and the libraries, for the top of every table set."""
+    import os
+
+    from corekv.engine.cpu.isa import RESTRICT_ENV, cpu_info
+    from corekv.engine.cpu.native import NativeBuildError, load_native_attention
+
+    try:
+        native = load_native_attention().isa
+    except NativeBuildError as exc:
+        native = f"none ({exc})"
+    names = sorted({k for env in RESTRICT_ENV.values() for k in env})
+    restricted = " ".join(f"{k}={os.environ[k]}" for k in names if k in os.environ) or "none"
+    onednn = torch.backends.mkldnn.version() if hasattr(torch.backends.mkldnn, "version") else "?"
+    return (f"CPU: {cpu_info().describe()}; native kernels: {native}; restrictions: {restricted}\n"
+            f"torch {torch.__version__} (MKL {torch.backends.mkl.is_available()}, oneDNN {onednn}), "
+            f"{threads} threads, medians of {repeats}")
+
+
+def restart_restricted(isa: str) -> None:
+    """Run this script again as on an ``isa`` machine (the libraries read their variables when they
+    start, so in a fresh process); returns when the environment already is that."""
+    import os
+    import sys
+
+    from corekv.engine.cpu.isa import RESTRICT_ENV
+
+    env = RESTRICT_ENV[isa]
+    if all(os.environ.get(k) == v for k, v in env.items()):
+        return
+    os.execve(sys.executable, [sys.executable, *sys.argv], {**os.environ, **env})
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--isa", choices=("avx2",), default=None,
+                    help="run as on a CPU of this instruction set (restarts with torch, MKL, oneDNN and the native "
+                         "kernels restricted to it)")
+    ap.add_argument("--tables", default="shapes,linears,prefill,decode",
+                    help="comma-separated tables to run: shapes, linears, prefill, decode (default all)")
     args = ap.parse_args()
     if args.threads < 1 or args.repeats < 1:
         raise SystemExit(f"--threads and --repeats must be >= 1, got {args.threads} and {args.repeats}")
+    tables = args.tables.split(",")
+    unknown = set(tables) - {"shapes", "linears", "prefill", "decode"}
+    if unknown:
+        raise SystemExit(f"--tables: unknown {sorted(unknown)}; choose from shapes, linears, prefill, decode")
+    if args.isa:
+        restart_restricted(args.isa)
     torch.set_num_threads(args.threads)
-    print(f"torch {torch.__version__}, {args.threads} threads, medians of {args.repeats}\n")
+    print(cpu_header(args.threads, args.repeats), "\n", flush=True)
     for dtype in (torch.float32, torch.bfloat16):
-        print(linears(dtype, args.repeats), "\n", flush=True)
-    print(prefill_attention(max(args.repeats, 20)), "\n")
-    print(decode_attention(max(args.repeats, 200)))
+        if "shapes" in tables:
+            print(linears_by_shape(dtype, args.repeats), "\n", flush=True)
+        if "linears" in tables:
+            print(linears(dtype, args.repeats), "\n", flush=True)
+    if "prefill" in tables:
+        print(prefill_attention(max(args.repeats, 20)), "\n", flush=True)
+    if "decode" in tables:
+        print(decode_attention(max(args.repeats, 200)))
 
 
 if __name__ == "__main__":

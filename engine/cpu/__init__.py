@@ -3,7 +3,10 @@
 * :mod:`~corekv.engine.cpu.linears`: the layouts and kernels a loaded model's CPU ``nn.Linear``
   layers run (``prepare_model`` prepares them; a native runner adds the panel kernel);
 * :mod:`~corekv.engine.cpu.native`: builds the C++ kernels (``paged_attention.cpp``,
-  ``small_linear.cpp``, shipped beside it) that ``engine.compile`` runs on CPU;
+  ``small_linear.cpp`` and their code per instruction set, ``kernels_isa.h``, shipped beside it)
+  that ``engine.compile`` runs on CPU, choosing the instruction set at run time;
+* :mod:`~corekv.engine.cpu.isa`: what this CPU offers (vendor, model, torch's capability, flags),
+  and the environment that makes an AVX-512 machine act as an AVX2 one;
 * :mod:`~corekv.engine.cpu.malloc`: glibc malloc thresholds for the engine's process
   (``engine.tune_cpu_malloc``).
 

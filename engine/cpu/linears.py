@@ -71,11 +71,13 @@ NATIVE_LINEAR_ROWS = {torch.float32: (2, 32), torch.bfloat16: (1, 16)}
 
 class _Packed:
     """Copies of one Linear's weight in the layouts its kernels read: oneDNN's blocked layout
-    (bfloat16) and 64-column panels for the native kernel (set by :func:`use_native_linears`)."""
+    (bfloat16) and column panels for the native kernel, with the kernel of the instruction set
+    that packed them (the panels' width is that set's; both set by :func:`use_native_linears`)."""
 
     def __init__(self, onednn: torch.Tensor | None = None):
         self.onednn = onednn
         self.panels: torch.Tensor | None = None
+        self.small_linear = None
 
 
 #: each Linear's :class:`_Packed`, by the handle its forward passes to its opaque op under
@@ -103,11 +105,9 @@ def _native_rows(x: torch.Tensor, weight: torch.Tensor) -> bool:
     return least <= x.numel() // weight.shape[1] <= most
 
 
-def _native_matmul(x, weight, bias, panels):
+def _native_matmul(x, weight, bias, packed: _Packed):
     """``F.linear(x, weight, bias)`` by the native kernel on ``weight``'s panels."""
-    from corekv.engine.cpu.native import load_native_attention
-
-    out = load_native_attention().small_linear(x.reshape(-1, weight.shape[1]), panels, bias)
+    out = packed.small_linear(x.reshape(-1, weight.shape[1]), packed.panels, bias)
     return out.view(*x.shape[:-1], weight.shape[0])
 
 
@@ -130,6 +130,7 @@ def use_native_linears(hf_model: Any, kernels) -> None:
             module.forward = _float32_linear(weight.detach(), module.bias, packed)
         if packed is not None and packed.panels is None:
             packed.panels = kernels.pack_linear_weight(weight.detach())
+            packed.small_linear = kernels.small_linear
 
 
 def _bfloat16_linear(weight: torch.Tensor, bias: torch.Tensor | None, packed: _Packed):
@@ -151,7 +152,7 @@ def _bfloat16_linear(weight: torch.Tensor, bias: torch.Tensor | None, packed: _P
 
 def _bfloat16_matmul(x, weight, bias, packed: _Packed):
     if packed.panels is not None and _native_rows(x, weight) and in_native_step():
-        return _native_matmul(x, weight, bias, packed.panels)
+        return _native_matmul(x, weight, bias, packed)
     if x.numel() >= BF16_UPCAST_MIN_ROWS * weight.shape[1]:
         return F.linear(x.float(), weight.float(), None if bias is None else bias.float()).to(x.dtype)
     return torch.ops.mkldnn._linear_pointwise(x, packed.onednn, bias, "none", [], "")
@@ -193,7 +194,7 @@ def _float32_linear(weight: torch.Tensor, bias: torch.Tensor | None, packed: _Pa
 
 def _float32_matmul(x, weight, bias, packed: _Packed):
     if in_native_step():
-        return _native_matmul(x, weight, bias, packed.panels)
+        return _native_matmul(x, weight, bias, packed)
     return F.linear(x, weight, bias)
 
 

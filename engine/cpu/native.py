@@ -1,5 +1,5 @@
-"""corekv's native CPU kernels (``engine.compile``), built from ``paged_attention.cpp`` and
-``small_linear.cpp``.
+"""corekv's native CPU kernels (``engine.compile``), built from ``paged_attention.cpp``,
+``small_linear.cpp`` and the kernels' code for each instruction set (``kernels_isa.h``).
 
 Two attention kernels read K/V straight from the pool blocks through block tables, one C++ call per
 layer each, where the torch path copies the blocks into contiguous buffers and calls SDPA:
@@ -17,13 +17,23 @@ kernels fast (a strict build is much slower: BENCHMARKS.md, "Native decode atten
 sound for finite inputs, as a model's Q/K/V are. It is passed as compile flags only, so no code
 that changes the process's floating-point mode (flush-to-zero) is linked in.
 
+One build holds the kernels for several instruction sets and the CPU chooses at run time: on x86-64
+with GCC, AVX-512 and AVX2 + FMA code (``isa_avx512.cpp``, ``isa_avx2.cpp``), each with the register
+blocking of its own register file; the rest of the build targets the baseline x86-64, so the same
+build runs on every x86-64 CPU with AVX2. Elsewhere (another architecture, or another compiler) one
+``generic`` set, built with ``-march=native`` for the building machine. :func:`load_native_attention`
+gives the widest set both this CPU and torch's ``ATEN_CPU_CAPABILITY`` allow
+(:func:`corekv.engine.cpu.isa.native_isa`), or the one named (a test runs the AVX2 code on an
+AVX-512 machine that way).
+
 Built on first use by ``torch.utils.cpp_extension`` (g++ and ninja; tens of seconds on a small
-machine) with ``-march=native`` into torch's extension cache (``TORCH_EXTENSIONS_DIR``), which then
-serves later processes at once; a cache shared by machines of different CPUs must be set per machine.
+machine) into torch's extension cache (``TORCH_EXTENSIONS_DIR``), which then serves later processes
+at once (ninja rebuilds only what changed).
 """
 from __future__ import annotations
 
 import os
+import platform
 import shutil
 from pathlib import Path
 from typing import Callable, NamedTuple
@@ -32,10 +42,14 @@ import torch
 
 from corekv.errors import CoreKVError, describe_exception
 
-SOURCES = [Path(__file__).with_name(name) for name in ("paged_attention.cpp", "small_linear.cpp")]
+SOURCES = [Path(__file__).with_name(name) for name in
+           ("paged_attention.cpp", "small_linear.cpp", "isa_avx512.cpp", "isa_avx2.cpp", "isa_generic.cpp")]
 #: pool dtypes the kernels read (a float16 model keeps the torch path)
 NATIVE_DTYPES = (torch.float32, torch.bfloat16)
-_kernels: NativeKernels | None = None
+#: the built extension module (its submodules: one per instruction set this CPU runs)
+_module = None
+#: the kernels of each instruction set asked for, by name
+_kernels: dict[str, NativeKernels] = {}
 
 
 class NativeKernels(NamedTuple):
@@ -45,20 +59,50 @@ class NativeKernels(NamedTuple):
     decode: Callable
     #: ``(q [T, H * G, D], k_pool, v_pool, block_tables, query_starts, start_pos, scale, out) -> None``
     prefill: Callable
-    #: ``(weight [out, in] float32 or bfloat16) -> packed [out / 64, in, 64]`` (the same dtype)
+    #: ``(weight [out, in] float32 or bfloat16, out a multiple of 64) -> packed [out / P, in, P]`` (the
+    #: same dtype; P, the panel width, is the instruction set's: 64 for AVX-512, 16 for AVX2)
     pack_linear_weight: Callable
     #: ``(x [rows, in], packed, bias | None) -> [rows, out]``, all of the packed weight's dtype
     small_linear: Callable
+    #: the instruction set whose code they run: ``avx512``, ``avx2`` or ``generic``
+    isa: str
 
 
 class NativeBuildError(CoreKVError):
-    """The native attention could not be built (no C++ compiler, no ninja, a failed build)."""
+    """The native kernels could not be built (no C++ compiler, no ninja, a failed build) or have no
+    code this CPU runs."""
 
 
-def load_native_attention() -> NativeKernels:
-    """The kernels, built once per process (see the module's docstring); raises :class:`NativeBuildError`."""
-    global _kernels
-    if _kernels is None:
+def load_native_attention(isa: str | None = None) -> NativeKernels:
+    """The kernels of instruction set ``isa`` (default: the widest this CPU and torch allow), built
+    once per process (see the module's docstring); raises :class:`NativeBuildError`, also for an
+    ``isa`` this build or this CPU does not have."""
+    module = _build()
+    built = built_isas()
+    if isa is None:
+        from corekv.engine.cpu.isa import native_isa
+
+        isa = native_isa(built)
+        if isa is None:
+            raise NativeBuildError(f"corekv's native kernels run {built or 'no instruction set'} on this CPU, and "
+                                   f"torch's CPU capability ({torch.backends.cpu.get_cpu_capability()}) allows none")
+    if isa not in built:
+        raise NativeBuildError(f"corekv's native kernels for {isa!r}: this build and CPU run {built}; pick one of them")
+    if isa not in _kernels:
+        sub = getattr(module, isa)
+        _kernels[isa] = NativeKernels(sub.paged_decode, sub.paged_prefill, sub.pack_linear_weight, sub.small_linear, isa)
+    return _kernels[isa]
+
+
+def built_isas() -> list[str]:
+    """The instruction sets the built kernels have code for and this CPU runs, widest first (builds
+    the kernels first if this process has not; raises :class:`NativeBuildError`)."""
+    return list(_build().isas())
+
+
+def _build():
+    global _module
+    if _module is None:
         from torch.utils import cpp_extension
 
         if shutil.which("ninja") is None:
@@ -67,14 +111,14 @@ def load_native_attention() -> NativeKernels:
                 os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
             except ImportError:
                 pass
+        # NOTE: no -march on x86-64: the ISA files choose their targets, the rest stays baseline
+        march = [] if platform.machine().lower() in ("x86_64", "amd64") else ["-march=native"]
         try:
-            module = cpp_extension.load(name="corekv_native", sources=[str(path) for path in SOURCES],
-                                        extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffast-math"],
-                                        extra_ldflags=["-fopenmp"])
+            _module = cpp_extension.load(name="corekv_native", sources=[str(path) for path in SOURCES],
+                                         extra_cflags=["-O3", "-fopenmp", "-ffast-math", *march],
+                                         extra_ldflags=["-fopenmp"])
         except Exception as exc:  # compiler, ninja and build failures come as several exception types
             raise NativeBuildError(
                 f"could not build corekv's native kernels ({describe_exception(exc)}); it needs a "
                 "C++ compiler (g++, or the one named by $CXX) and ninja (pip install ninja)") from exc
-        _kernels = NativeKernels(module.paged_decode, module.paged_prefill, module.pack_linear_weight,
-                                 module.small_linear)
-    return _kernels
+    return _module

@@ -1,8 +1,11 @@
-"""corekv's native attention kernels (engine/cpu/paged_attention.cpp, really built with g++ here) against
-a float64 softmax over the same blocks; their checks; the build (a failed one: test_engine_compile.py)."""
+"""corekv's native kernels (engine/cpu/, really built with g++ here) against float64 references, for
+every instruction set the build holds and this CPU runs (an AVX-512 machine runs the AVX2 code too,
+from the same build); their checks; the build (a failed one: test_engine_compile.py)."""
 from __future__ import annotations
 
+import json
 import os
+import platform
 import subprocess
 import sys
 
@@ -11,7 +14,18 @@ import torch
 import torch.nn.functional as F
 
 from corekv.engine.kv_pool import KVPool
-from corekv.engine.cpu.native import load_native_attention
+from corekv.engine.cpu.native import built_isas, load_native_attention
+
+#: the instruction sets the kernel tests run, each where this CPU runs it (x86-64 builds hold the
+#: AVX-512 and AVX2 code, other builds one generic set)
+ISAS = ["avx512", "avx2"] if platform.machine().lower() in ("x86_64", "amd64") else ["generic"]
+
+
+def kernels_for(isa):
+    """The native kernels of ``isa``; the test is skipped where this build or CPU has none."""
+    if isa not in built_isas():
+        pytest.skip(f"no {isa} code in this build or on this CPU (it runs {built_isas()})")
+    return load_native_attention(isa)
 
 
 def reference(q, k_pool, v_pool, tables, lens, scale):
@@ -31,8 +45,9 @@ def reference(q, k_pool, v_pool, tables, lens, scale):
     return torch.stack(outs), torch.stack(lses)
 
 
+@pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_native_decode_equals_a_float64_softmax_over_the_rows_blocks(dtype):
+def test_native_decode_equals_a_float64_softmax_over_the_rows_blocks(dtype, isa):
     """Rows of 1 token, part of a block, whole blocks and many blocks, from a real KVPool's layer
     views (blocks strided by the other layers); the tables' padding and every unused block hold
     NaN, so reading past a row's length would show."""
@@ -55,7 +70,7 @@ def test_native_decode_equals_a_float64_softmax_over_the_rows_blocks(dtype):
             k_pool[tables[r, j], tail:] = float("nan")
             v_pool[tables[r, j], tail:] = float("nan")
     q = torch.randn(len(lens), 2, 4, 64).to(dtype)
-    out, lse = load_native_attention().decode(q, k_pool, v_pool, tables, lens, 0.125)
+    out, lse = kernels_for(isa).decode(q, k_pool, v_pool, tables, lens, 0.125)
     expected_out, expected_lse = reference(q, k_pool, v_pool, tables, lens, 0.125)
     assert out.dtype == lse.dtype == torch.float32 and out.shape == q.shape and lse.shape == q.shape[:3]
     torch.testing.assert_close(out.double(), expected_out, rtol=1e-5, atol=1e-5)
@@ -98,10 +113,11 @@ def prefill_reference(q, k_pool, v_pool, tables, query_starts, start_pos, scale)
     return torch.cat(outs)
 
 
+@pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_native_prefill_equals_a_float64_causal_softmax_over_each_chunks_blocks(dtype):
-    """One call for chunks of 1 token, part of a block, several 16-query tiles (and a ragged last
-    one), from position 0, after cached positions (mid-block too), and two chunks after the same
+def test_native_prefill_equals_a_float64_causal_softmax_over_each_chunks_blocks(dtype, isa):
+    """One call for chunks of 1 token, part of a block, several query tiles (16 queries for AVX-512,
+    8 for AVX2; and a ragged last one), from position 0, after cached positions (mid-block too), and two chunks after the same
     shared blocks (W2's shape); NaN in every position no chunk may read, so a read past a query's
     own position, or of another chunk's blocks, would show."""
     torch.manual_seed(0)
@@ -126,7 +142,7 @@ def test_native_prefill_equals_a_float64_causal_softmax_over_each_chunks_blocks(
     start_pos = torch.tensor([s for s, _ in chunks])
     q = torch.randn(int(query_starts[-1]), 8, 64).to(dtype)  # 8 query heads over 2 KV heads
     out = torch.full_like(q, float("nan"))
-    load_native_attention().prefill(q, k_pool, v_pool, tables, query_starts, start_pos, 0.125, out)
+    kernels_for(isa).prefill(q, k_pool, v_pool, tables, query_starts, start_pos, 0.125, out)
     expected = prefill_reference(q, k_pool, v_pool, tables, query_starts, start_pos, 0.125)
     tolerance = 1e-5 if dtype == torch.float32 else 1e-2  # bfloat16: the output's own rounding
     torch.testing.assert_close(out.double(), expected, rtol=tolerance, atol=tolerance)
@@ -207,20 +223,22 @@ def test_the_build_finds_the_ninja_wheel_when_no_ninja_is_on_path(tmp_path):
     assert "BUILT " in out.stdout and out.stdout.strip().endswith("ninja"), out.stdout + out.stderr[-2000:]
 
 
+@pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rows", [1, 5, 6, 7, 32])
-def test_small_linear_equals_a_float64_product(rows, dtype):
+def test_small_linear_equals_a_float64_product(rows, dtype, isa):
     """Row counts around the kernel's blocks of 6, an input size that is not a multiple of its
     128-deep slices, with and without bias; the packed copy is taken from a strided weight (the
     transposed layout corekv gives float32 weights). bfloat16 sums in float32 and rounds once: within
     half a bfloat16 step (2^-8 relative) of the exact product of the bfloat16 values."""
-    kernels = load_native_attention()
+    kernels = kernels_for(isa)
     torch.manual_seed(rows)
     weight = torch.randn(200, 192).t().to(dtype)  # [192 out, 200 in], column-major
     bias = torch.randn(192).to(dtype)
     x = torch.randn(rows, 200).to(dtype)
     packed = kernels.pack_linear_weight(weight)
-    assert packed.shape == (3, 200, 64) and packed.dtype == dtype
+    panel = 16 if isa == "avx2" else 64
+    assert packed.shape == (192 // panel, 200, panel) and packed.dtype == dtype
     rtol = 1e-5 if dtype == torch.float32 else 2 ** -8
     for b in (None, bias):
         out = kernels.small_linear(x, packed, b)
@@ -246,6 +264,39 @@ def test_small_linear_checks_its_arguments():
         kernels.small_linear(torch.zeros(2, 8), packed, torch.zeros(64).bfloat16())
 
 
+def test_panels_and_instruction_sets_are_checked():
+    """Panels are as wide as their instruction set's registers want (pack and multiply with the same
+    set); a set this build or CPU lacks is an error naming the ones it has."""
+    from corekv.engine.cpu.native import NativeBuildError
+
+    with pytest.raises(NativeBuildError, match="pick one of them"):
+        load_native_attention("sse2")
+    if not {"avx512", "avx2"} <= set(built_isas()):
+        pytest.skip(f"needs the AVX-512 and the AVX2 code (this CPU runs {built_isas()})")
+    wide, narrow = load_native_attention("avx512"), load_native_attention("avx2")
+    with pytest.raises(RuntimeError, match="of the same instruction set, P = 16"):
+        narrow.small_linear(torch.zeros(2, 8), wide.pack_linear_weight(torch.zeros(64, 8)), None)
+
+
+def test_torchs_cpu_capability_chooses_the_kernels_instruction_set():
+    """``ATEN_CPU_CAPABILITY=avx2``, how an AVX2 machine is reproduced on an AVX-512 one (with MKL's
+    and oneDNN's own variables), gives corekv's native kernels their AVX2 code and hides the
+    AVX-512 flags from the linears' choices; without it, the widest set this CPU runs."""
+    if "avx2" not in built_isas():
+        pytest.skip(f"no AVX2 code in this build or on this CPU (it runs {built_isas()})")
+    code = ("import json, torch\n"
+            "from corekv.engine.cpu.isa import cpu_info\n"
+            "from corekv.engine.cpu.native import load_native_attention\n"
+            "info = cpu_info()\n"
+            "print(json.dumps([load_native_attention().isa, info.capability, sorted(f for f in info.flags "
+            "if f.startswith('avx512'))]))\n")
+    env = dict(os.environ, ATEN_CPU_CAPABILITY="avx2")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert json.loads(out.stdout.splitlines()[-1]) == ["avx2", "AVX2", []]
+    assert load_native_attention().isa == built_isas()[0]
+
+
 @pytest.mark.parametrize("dtype", [
     "float32",
     pytest.param("bfloat16", marks=pytest.mark.skipif(
@@ -258,7 +309,7 @@ def test_native_linears_serve_only_a_native_runners_decode_sized_steps(dtype, mo
     Face calls, fewer or more rows, a torch-path runner's steps (bfloat16: oneDNN's packed GEMM, or
     float32 from 128 rows). Wiring twice packs nothing again. The kernel's calls are counted (the
     real kernel, wrapped): at this size its bfloat16 results equal oneDNN's bit for bit."""
-    from corekv.engine.cpu import linears, native as native_kernels
+    from corekv.engine.cpu import linears
     from corekv.engine.attention import forward_context
     from corekv.engine.model_runner import ModelRunner
     from corekv.engine.step_metadata import AttentionMetadata
@@ -285,7 +336,7 @@ def test_native_linears_serve_only_a_native_runners_decode_sized_steps(dtype, mo
     def counted(*args):
         calls.append(args[0].shape[0])
         return kernel(*args)
-    monkeypatch.setattr(native_kernels, "_kernels", runner._native._replace(small_linear=counted))
+    monkeypatch.setattr(module._corekv_packed, "small_linear", counted)
     native = AttentionMetadata(kv_pool=pool, slot_block_ids=torch.zeros(0), slot_offsets=torch.zeros(0),
                                native=runner._native)
     plain = AttentionMetadata(kv_pool=pool, slot_block_ids=torch.zeros(0), slot_offsets=torch.zeros(0))

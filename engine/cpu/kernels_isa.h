@@ -1,0 +1,354 @@
+// The native kernels' code for one instruction set, included by isa_avx2.cpp, isa_avx512.cpp and
+// isa_generic.cpp (see kernels.h) after each has included this file's headers and defined:
+//   COREKV_ISA        the namespace of its table's functions (avx2, avx512, generic)
+//   COREKV_VL         float32 lanes per vector register (8 for AVX2, 16 for AVX-512)
+//   COREKV_REGISTERS  vector registers (16 for AVX2, 32 for AVX-512)
+//   COREKV_NVEC       vectors per small_linear panel row (2 for AVX2, 4 for AVX-512)
+// The blockings below are sized from these, so each instruction set keeps its accumulators in its
+// registers. Raw pointers only: paged_attention.cpp and small_linear.cpp check the arguments.
+//
+// NOTE: no #include here: every header is included by the ISA file before it switches the target
+// (kernels.h says why).
+
+namespace corekv_native {
+namespace COREKV_ISA {
+namespace {
+
+constexpr int VL = COREKV_VL;                    // float32 lanes per vector
+constexpr int REGISTERS = COREKV_REGISTERS;      // vector registers
+constexpr int ACCUMULATORS = REGISTERS * 3 / 4;  // of them, held as accumulators by a register block
+constexpr int NVEC = COREKV_NVEC;                // vectors per small_linear panel row
+
+typedef float vf __attribute__((vector_size(VL * 4)));  // GCC vectors: one register of the target
+typedef int32_t vi __attribute__((vector_size(VL * 4)));
+typedef unsigned short vh __attribute__((vector_size(VL * 2)));
+typedef unsigned int vu __attribute__((vector_size(VL * 4)));
+
+inline vf splat(float x) { return vf{} + x; }
+inline vf load(const float* p) { vf v; std::memcpy(&v, p, sizeof v); return v; }
+inline void store(float* p, vf v) { std::memcpy(p, &v, sizeof v); }
+
+// ---- paged_decode ----------------------------------------------------------------------------
+// One pool row of D values as float32: the row itself, or its bfloat16 bits widened into buf.
+inline const float* as_float(const float* src, float*, int64_t) { return src; }
+inline const float* as_float(const at::BFloat16* src, float* buf, int64_t D) {
+  const uint16_t* bits = reinterpret_cast<const uint16_t*>(src);
+  uint32_t* out = reinterpret_cast<uint32_t*>(buf);
+#pragma omp simd
+  for (int64_t d = 0; d < D; ++d) out[d] = static_cast<uint32_t>(bits[d]) << 16;
+  return buf;
+}
+
+// One task per (row, KV head): scores of its G queries over the row's keys, softmax, then the
+// probability-weighted sum of the values; every K and V row is read once per task.
+template <typename T>
+void decode(const float* q, const T* k_pool, const T* v_pool, const int64_t* tables, const int64_t* lens,
+            float* out, float* lse, int64_t R, int64_t H, int64_t G, int64_t D, int64_t block_size,
+            int64_t block_stride, int64_t max_blocks, float scale) {
+  at::parallel_for(0, R * H, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores, acc(G * D), row(D);
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t r = task / H, h = task % H, n = lens[r];
+      const float* qr = q + task * G * D;
+      const int64_t* table = tables + r * max_blocks;
+      auto offset = [&](int64_t t) { return table[t / block_size] * block_stride + ((t % block_size) * H + h) * D; };
+      scores.resize(G * n);
+      for (int64_t t = 0; t < n; ++t) {
+        const float* k = as_float(k_pool + offset(t), row.data(), D);
+        for (int64_t g = 0; g < G; ++g) {
+          const float* qg = qr + g * D;
+          float s = 0.f;
+#pragma omp simd reduction(+ : s)
+          for (int64_t d = 0; d < D; ++d) s += qg[d] * k[d];
+          scores[g * n + t] = s * scale;
+        }
+      }
+      for (int64_t g = 0; g < G; ++g) {
+        float* sg = scores.data() + g * n;
+        const float m = *std::max_element(sg, sg + n);
+        float sum = 0.f;
+        for (int64_t t = 0; t < n; ++t) {
+          sg[t] = std::exp(sg[t] - m);
+          sum += sg[t];
+        }
+        lse[task * G + g] = m + std::log(sum);
+        const float inv = 1.f / sum;
+        for (int64_t t = 0; t < n; ++t) sg[t] *= inv;
+      }
+      std::fill(acc.begin(), acc.end(), 0.f);
+      for (int64_t t = 0; t < n; ++t) {
+        const float* v = as_float(v_pool + offset(t), row.data(), D);
+        for (int64_t g = 0; g < G; ++g) {
+          const float p = scores[g * n + t];
+          float* a = acc.data() + g * D;
+#pragma omp simd
+          for (int64_t d = 0; d < D; ++d) a[d] += p * v[d];
+        }
+      }
+      std::memcpy(out + task * G * D, acc.data(), sizeof(float) * G * D);
+    }
+  });
+}
+
+// ---- paged_prefill ---------------------------------------------------------------------------
+// A task is (chunk, KV head, VL consecutive queries of the chunk): its G x VL query rows are held
+// transposed, one vector lane per query token, so scores, softmax and the weighted values of a tile
+// of keys are all vector operations over those lanes; each key and value row of the pool is read as
+// scalars broadcast against them. Flash-attention style: a running max and sum per row, no scores
+// matrix beyond one tile, no mask tensor (a key after a query's position is hidden in the kernel).
+
+constexpr int KT = 64;            // keys per tile
+constexpr float HIDDEN = -1e30f;  // the score of a key a query must not see (finite: -ffast-math)
+
+// exp(x) for x <= 0 (a score minus its row's running max), 0 below -80: 2^n * p(f) with p the
+// degree-6 Taylor polynomial of 2^f on |f| <= 1/2 (relative error < 2e-7).
+inline vf vexp(vf x) {
+  const vf y = x * 1.44269504088896341f;
+  const vf n = __builtin_convertvector(__builtin_convertvector(y - 0.5f, vi), vf);  // y <= 0: round
+  const vf f = y - n;
+  vf p = splat(1.5403530393381609e-4f);
+  p = p * f + 1.3333558146428443e-3f;
+  p = p * f + 9.6181291076284772e-3f;
+  p = p * f + 5.5504108664821580e-2f;
+  p = p * f + 2.4022650695910071e-1f;
+  p = p * f + 6.9314718055994531e-1f;
+  p = p * f + 1.0f;
+  const vi bits = (__builtin_convertvector(n, vi) + 127) << 23;
+  return x < -80.f ? splat(0.f) : p * reinterpret_cast<const vf&>(bits);
+}
+
+inline float to_float(float x) { return x; }
+inline float to_float(at::BFloat16 x) { return static_cast<float>(x); }
+inline void from_float(float x, float* out) { *out = x; }
+inline void from_float(float x, at::BFloat16* out) { *out = static_cast<at::BFloat16>(x); }
+
+// s[j][g] = sum_d K[j][d] * qt[d][g] for keys j0 .. j0 + kb - 1 of the tile and the row vectors
+// g0 .. g0 + NV - 1: KB x NV accumulators stay in registers over d.
+template <int NV, int KB>
+inline void scores_block(const float* const* krow, const float* qt, float* s, int j0, int kb, int g0, int G, int D) {
+  vf acc[KB][NV];
+  for (int k = 0; k < KB; ++k)
+    for (int v = 0; v < NV; ++v) acc[k][v] = splat(0.f);
+  auto step = [&](int d, int keys) {
+    vf q[NV];
+    for (int v = 0; v < NV; ++v) q[v] = load(qt + (d * G + g0 + v) * VL);
+    for (int k = 0; k < keys; ++k) {
+      const float kk = krow[j0 + k][d];
+      for (int v = 0; v < NV; ++v) acc[k][v] += kk * q[v];
+    }
+  };
+  if (kb == KB) {
+    for (int d = 0; d < D; ++d) step(d, KB);  // KB known at compile time: fully unrolled
+  } else {
+    for (int d = 0; d < D; ++d) step(d, kb);
+  }
+  for (int k = 0; k < kb; ++k)
+    for (int v = 0; v < NV; ++v) store(s + ((j0 + k) * G + g0 + v) * VL, acc[k][v]);
+}
+
+// ot[d][g] = ot[d][g] * alpha[g] + sum_j V[j][d] * p[j][g] for d0 .. d0 + db - 1 and the row
+// vectors g0 .. g0 + NV - 1: DB x NV accumulators stay in registers over the tile's keys.
+template <int NV, int DB>
+inline void values_block(const float* const* vrow, const float* p, const float* alpha, float* ot, int nk, int d0,
+                         int db, int g0, int G) {
+  vf acc[DB][NV];
+  for (int x = 0; x < db; ++x)
+    for (int v = 0; v < NV; ++v) acc[x][v] = load(ot + ((d0 + x) * G + g0 + v) * VL) * load(alpha + (g0 + v) * VL);
+  auto step = [&](int j, int dims) {
+    vf pj[NV];
+    for (int v = 0; v < NV; ++v) pj[v] = load(p + (j * G + g0 + v) * VL);
+    for (int x = 0; x < dims; ++x) {
+      const float vv = vrow[j][d0 + x];
+      for (int v = 0; v < NV; ++v) acc[x][v] += vv * pj[v];
+    }
+  };
+  if (db == DB) {
+    for (int j = 0; j < nk; ++j) step(j, DB);
+  } else {
+    for (int j = 0; j < nk; ++j) step(j, db);
+  }
+  for (int x = 0; x < db; ++x)
+    for (int v = 0; v < NV; ++v) store(ot + ((d0 + x) * G + g0 + v) * VL, acc[x][v]);
+}
+
+// One tile's scores (values == false) or weighted values (values == true) for all G row vectors,
+// NV <= 4 of them at a time, with ACCUMULATORS of the REGISTERS vector registers.
+template <int NV>
+void tile_part(const float* const* krow, const float* const* vrow, const float* qt, float* s, const float* alpha,
+               float* ot, int nk, int g0, int G, int D, bool values) {
+  constexpr int B = NV == 1 ? ACCUMULATORS * 2 / 3 : ACCUMULATORS / NV;
+  if (!values) {
+    for (int j0 = 0; j0 < nk; j0 += B) scores_block<NV, B>(krow, qt, s, j0, std::min(B, nk - j0), g0, G, D);
+  } else {
+    for (int d0 = 0; d0 < D; d0 += B) values_block<NV, B>(vrow, s, alpha, ot, nk, d0, std::min(B, D - d0), g0, G);
+  }
+}
+
+void tile(const float* const* krow, const float* const* vrow, const float* qt, float* s, const float* alpha, float* ot,
+          int nk, int G, int D, bool values) {
+  for (int g0 = 0; g0 < G; g0 += 4) {
+    switch (std::min(4, G - g0)) {
+      case 1: tile_part<1>(krow, vrow, qt, s, alpha, ot, nk, g0, G, D, values); break;
+      case 2: tile_part<2>(krow, vrow, qt, s, alpha, ot, nk, g0, G, D, values); break;
+      case 3: tile_part<3>(krow, vrow, qt, s, alpha, ot, nk, g0, G, D, values); break;
+      default: tile_part<4>(krow, vrow, qt, s, alpha, ot, nk, g0, G, D, values); break;
+    }
+  }
+}
+
+struct Task {
+  int64_t chunk, head, first;  // first: the task's first query, counted within its chunk
+  int64_t keys;                // keys it attends (its cost)
+};
+
+template <typename T>
+void prefill(const T* q, int64_t q_stride_t, int64_t q_stride_h, const T* k_pool, const T* v_pool,
+             const int64_t* tables, const int64_t* query_starts, const int64_t* start_pos, T* out, int64_t C, int64_t H,
+             int64_t G, int64_t D, int64_t block_size, int64_t block_stride, int64_t max_blocks, float scale) {
+  std::vector<Task> tasks;
+  for (int64_t c = 0; c < C; ++c)
+    for (int64_t i0 = 0; i0 < query_starts[c + 1] - query_starts[c]; i0 += VL)
+      for (int64_t h = 0; h < H; ++h) tasks.push_back({c, h, i0, start_pos[c] + i0 + VL});
+  // NOTE: costliest first, each taken by whichever thread is free: a long chunk's later queries
+  // see many more keys than its first ones, so an even split of the list would be uneven work.
+  std::stable_sort(tasks.begin(), tasks.end(), [](const Task& a, const Task& b) { return a.keys > b.keys; });
+  std::atomic<int64_t> next{0};
+  const int64_t num_tasks = static_cast<int64_t>(tasks.size());
+  at::parallel_for(0, std::min<int64_t>(at::get_num_threads(), num_tasks), 1, [&](int64_t, int64_t) {
+    const int64_t rows = G * VL;  // one task's query rows: [G][VL lanes]
+    std::vector<float> qt(D * rows), ot(D * rows), s(KT * rows), m(rows), l(rows), alpha(rows), kbuf(KT * D),
+        vbuf(KT * D);
+    const float* krow[KT];
+    const float* vrow[KT];
+    for (int64_t t; (t = next.fetch_add(1)) < num_tasks;) {
+      const int64_t c = tasks[t].chunk, h = tasks[t].head, i0 = tasks[t].first;
+      const int64_t nq = std::min<int64_t>(VL, query_starts[c + 1] - query_starts[c] - i0);
+      const int64_t pos0 = start_pos[c] + i0, num_keys = pos0 + nq;
+      const int64_t* table = tables + c * max_blocks;
+      // qt[d][g][lane] = scaled query of token i0 + lane (lanes past the chunk repeat its last query)
+      for (int64_t lane = 0; lane < VL; ++lane) {
+        const T* qrow = q + (query_starts[c] + i0 + std::min(lane, nq - 1)) * q_stride_t + h * G * q_stride_h;
+        for (int64_t g = 0; g < G; ++g)
+          for (int64_t d = 0; d < D; ++d) qt[(d * G + g) * VL + lane] = to_float(qrow[g * q_stride_h + d]) * scale;
+      }
+      std::fill(ot.begin(), ot.end(), 0.f);
+      std::fill(m.begin(), m.end(), HIDDEN);
+      std::fill(l.begin(), l.end(), 0.f);
+      vf pos;
+      for (int lane = 0; lane < VL; ++lane) pos[lane] = static_cast<float>(pos0 + std::min<int64_t>(lane, nq - 1));
+      for (int64_t t0 = 0; t0 < num_keys; t0 += KT) {
+        const int nk = static_cast<int>(std::min<int64_t>(KT, num_keys - t0));
+        for (int j = 0; j < nk; ++j) {
+          const int64_t key = t0 + j;
+          const int64_t off = table[key / block_size] * block_stride + ((key % block_size) * H + h) * D;
+          krow[j] = as_float(k_pool + off, kbuf.data() + j * D, D);
+          vrow[j] = as_float(v_pool + off, vbuf.data() + j * D, D);
+        }
+        tile(krow, vrow, qt.data(), s.data(), alpha.data(), ot.data(), nk, G, D, false);
+        // online softmax per row: rescale what came before by exp(old max - new max)
+        const bool diagonal = t0 + nk - 1 > pos0;  // some key of the tile is after some query
+        for (int64_t g = 0; g < G; ++g) {
+          vf mx = load(m.data() + g * VL);
+          for (int j = 0; j < nk; ++j) {
+            float* sj = s.data() + (j * G + g) * VL;
+            vf sv = load(sj);
+            if (diagonal) {
+              sv = splat(static_cast<float>(t0 + j)) > pos ? splat(HIDDEN) : sv;
+              store(sj, sv);
+            }
+            mx = mx > sv ? mx : sv;
+          }
+          vf sum = splat(0.f);
+          for (int j = 0; j < nk; ++j) {
+            float* sj = s.data() + (j * G + g) * VL;
+            const vf p = vexp(load(sj) - mx);
+            store(sj, p);
+            sum += p;
+          }
+          const vf a = vexp(load(m.data() + g * VL) - mx);
+          store(alpha.data() + g * VL, a);
+          store(l.data() + g * VL, load(l.data() + g * VL) * a + sum);
+          store(m.data() + g * VL, mx);
+        }
+        tile(krow, vrow, qt.data(), s.data(), alpha.data(), ot.data(), nk, G, D, true);
+      }
+      for (int64_t lane = 0; lane < nq; ++lane) {
+        T* orow = out + (query_starts[c] + i0 + lane) * H * G * D + h * G * D;
+        for (int64_t g = 0; g < G; ++g) {
+          const float inv = 1.f / l[g * VL + lane];
+          for (int64_t d = 0; d < D; ++d) from_float(ot[(d * G + g) * VL + lane] * inv, orow + g * D + d);
+        }
+      }
+    }
+  });
+}
+
+// ---- small_linear ----------------------------------------------------------------------------
+// Each panel row of PANEL outputs is NVEC vectors that every row of x multiplies with a broadcast
+// scalar (ROWS rows x NVEC vectors of accumulators), the panel is prefetched ahead of the loads, and
+// rows beyond ROWS reuse a DEPTH-deep slice of the panel from L1 instead of reading it again.
+
+constexpr int64_t PANEL = NVEC * VL;  // outputs per panel
+constexpr int ROWS = 6;               // rows of x per block of accumulators
+constexpr int64_t DEPTH = 128;        // k per slice of a panel (at most 32 KiB: in L1 for every block of rows)
+constexpr int64_t PREFETCH = 4096;    // bytes of panel ahead
+
+inline vf load(const at::BFloat16* p) {
+  vh h;
+  std::memcpy(&h, p, sizeof h);
+  const vu bits = __builtin_convertvector(h, vu) << 16;
+  vf v;
+  std::memcpy(&v, &bits, sizeof v);
+  return v;
+}
+
+// out[r][0:PANEL] (+)= sum_{k0 <= k < k1} x[r][k] * panel[k][0:PANEL] for R rows.
+template <int R, typename W>
+void rows_block(const float* x, int64_t K, const W* panel, float* out, int64_t N, int64_t k0, int64_t k1) {
+  vf acc[R][NVEC];
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < NVEC; ++j) acc[r][j] = k0 == 0 ? vf{} : load(out + r * N + j * VL);
+  for (int64_t k = k0; k < k1; ++k) {
+    const W* row = panel + k * PANEL;
+    const char* ahead = reinterpret_cast<const char*>(row) + PREFETCH;
+    for (size_t line = 0; line < PANEL * sizeof(W); line += 64) __builtin_prefetch(ahead + line);
+    vf w[NVEC];
+    for (int j = 0; j < NVEC; ++j) w[j] = load(row + j * VL);
+    for (int r = 0; r < R; ++r) {
+      const float xr = x[r * K + k];
+      for (int j = 0; j < NVEC; ++j) acc[r][j] += xr * w[j];
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < NVEC; ++j) store(out + r * N + j * VL, acc[r][j]);
+}
+
+template <typename W>
+void panels_times_rows(const float* xp, const W* wp, float* op, int64_t M, int64_t K, int64_t panels) {
+  const int64_t N = panels * PANEL;
+  at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t p = begin; p < end; ++p) {
+      const W* panel = wp + p * K * PANEL;
+      for (int64_t k0 = 0; k0 < K; k0 += DEPTH) {
+        const int64_t k1 = std::min(K, k0 + DEPTH);
+        for (int64_t m0 = 0; m0 < M; m0 += ROWS) {
+          const float* xm = xp + m0 * K;
+          float* om = op + m0 * N + p * PANEL;
+          static_assert(ROWS == 6, "the cases below are ROWS' block sizes");
+          switch (std::min<int64_t>(ROWS, M - m0)) {
+            case 1: rows_block<1>(xm, K, panel, om, N, k0, k1); break;
+            case 2: rows_block<2>(xm, K, panel, om, N, k0, k1); break;
+            case 3: rows_block<3>(xm, K, panel, om, N, k0, k1); break;
+            case 4: rows_block<4>(xm, K, panel, om, N, k0, k1); break;
+            case 5: rows_block<5>(xm, K, panel, om, N, k0, k1); break;
+            default: rows_block<6>(xm, K, panel, om, N, k0, k1); break;
+          }
+        }
+      }
+    }
+  });
+}
+
+}  // namespace
+}  // namespace COREKV_ISA
+}  // namespace corekv_native
