@@ -15,69 +15,109 @@ from corekv.engine.attention import in_native_step
 
 
 def prepare_linear_weights(hf_model: Any) -> None:
-    """Lay out each CPU ``nn.Linear`` weight for the GEMM that reads it; results are unchanged.
+    """Lay out each float32 or bfloat16 CPU ``nn.Linear`` weight for the GEMMs that read it, chosen
+    per shape on this machine; results are unchanged up to summation order (and bfloat16's rounding).
 
     * float32: the weight ``[out, in]`` becomes the transposed view of a contiguous ``[in, out]``
-      tensor (same values and shape, so every code path reads the same tensor). Weights shared
-      with an embedding (tied ``lm_head``) keep the row-major layout the embedding lookup needs.
-    * bfloat16: the module also gets a copy packed in oneDNN's blocked layout, and its ``forward``
-      runs oneDNN's matmul on it (``torch.ops.mkldnn._linear_pointwise``, what inductor uses for
-      frozen CPU linears) for fewer than :data:`BF16_UPCAST_MIN_ROWS` rows; more rows (a prefill)
-      are multiplied in float32 and rounded back to bfloat16; a native runner's decode steps take
-      the native kernel (:func:`use_native_linears`). ``weight`` stays as loaded (state dict,
-      fingerprint, tied embedding) and must not be changed afterwards: the packed copies would
-      not follow. Where oneDNN has no bfloat16 kernels (CPUs without AVX-512) nothing changes,
-      and the native kernel is not used for bfloat16 either.
+      tensor (same values and shape, so every code path reads the same tensor), MKL's best layout.
+      Weights shared with an embedding (tied ``lm_head``) keep the row-major layout the embedding
+      lookup needs.
+    * Each module's ``forward`` then runs, for a step's few rows and for :data:`MANY_ROWS_FROM`
+      rows or more, the GEMM :func:`~corekv.engine.cpu.gemm_plan.gemm_plan` chose for its shape
+      and dtype (timed once per machine, then cached): float32 ``mkl`` (``F.linear``) or ``onednn``
+      (oneDNN's matmul on a copy packed in its blocked layout, ``torch.ops.mkldnn._linear_pointwise``,
+      what inductor uses for frozen CPU linears); bfloat16 ``onednn`` or ``upcast`` (input and weight
+      multiplied in float32, rounded back once), or ``F.linear`` and ``upcast`` where oneDNN has no
+      bfloat16 kernels (CPUs without AVX-512). A native runner's decode steps take the native kernel
+      instead (:func:`use_native_linears`). ``weight`` stays as loaded (state dict, fingerprint, tied
+      embedding) and must not be changed afterwards: the packed copies would not follow.
 
-    Idempotent: a module prepared before keeps its copies.
+    Idempotent: a module prepared before keeps its copies and its plan.
 
-    NOTE: the choices follow ``benchmarks/cpu_kernels.py`` at SmolLM2's shapes, all layers' weights
-    so they stream from memory (BENCHMARKS.md, "Linears of 30 layers, float32" and "..., bfloat16").
-    The transposed float32 layout is about as fast as the loaded one (a wash end to end; oneDNN
-    packing is no better). bfloat16 ``F.linear`` reorders the weight into oneDNN's layout on every
-    call, so packing it once is faster at every row count. Without AMX a CPU's bfloat16 dot products
-    are no faster than float32 FMAs, so a large bfloat16 GEMM is slower than the float32 one, and
-    from :data:`BF16_UPCAST_MIN_ROWS` rows upcasting input and weight per call beats the packed
-    bfloat16 GEMM. Each product of two bfloat16 values is exact in float32 and oneDNN's bfloat16
-    GEMM accumulates in float32 too, so the two paths differ only in summation order and the final
-    rounding. CUDA has its own kernels.
+    NOTE: why a timing and not a rule: MKL's float32 GEMM takes its AVX2 path on AMD CPUs with
+    AVX-512, where oneDNN's runs at twice its speed, while on Intel's the two are level; a bfloat16
+    GEMM beats upcasting to float32 where oneDNN uses AVX-512 BF16 or AMX, but not everywhere
+    (``benchmarks/cpu_kernels.py``'s shapes table; BENCHMARKS.md, "Linears by shape"). bfloat16
+    ``F.linear`` reorders the weight into oneDNN's layout on every call, so packing it once is
+    faster. Each product of two bfloat16 values is exact in float32 and oneDNN's bfloat16 GEMM
+    accumulates in float32 too, so the bfloat16 paths differ only in summation order and the final
+    rounding. Under torch.compile float32 prefills stay inductor's GEMMs. CUDA has its own kernels.
     """
+    from corekv.engine.cpu.gemm_plan import gemm_plan
+
     embedding = hf_model.get_input_embeddings()
     shared = {id(embedding.weight)} if embedding is not None else set()
-    pack_bf16 = torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    onednn = torch.backends.mkldnn.is_available()
+    onednn_bf16 = onednn and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    plans: dict[tuple, dict[str, str]] = {}  # (dtype, shape, bias?, layout) -> plan: one timing per shape
     for module in hf_model.modules():
         weight = getattr(module, "weight", None)
-        if not isinstance(module, torch.nn.Linear) or weight.device.type != "cpu":
+        if (not isinstance(module, torch.nn.Linear) or weight.device.type != "cpu"
+                or weight.dtype not in (torch.float32, torch.bfloat16) or hasattr(module, "_corekv_packed")):
             continue
         if weight.dtype == torch.float32 and id(weight) not in shared and weight.is_contiguous():
             weight.data = weight.data.t().contiguous().t()
-        elif weight.dtype == torch.bfloat16 and pack_bf16 and not hasattr(module, "_corekv_packed"):
-            module._corekv_packed = _Packed(onednn=torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 32))
-            module.forward = _bfloat16_linear(weight.detach(), module.bias, module._corekv_packed)
+        w, bias = weight.detach(), module.bias
+        key = (w.dtype, tuple(w.shape), bias is not None, w.is_contiguous())
+        if key not in plans:
+            names = (("mkl", "onednn") if onednn else ("mkl",)) if w.dtype == torch.float32 else \
+                ("onednn", "upcast") if onednn_bf16 else ("F.linear", "upcast")
+            trial = _Packed(None, torch.ops.mkldnn._reorder_linear_weight(w, 32) if "onednn" in names else None)
+            plans[key] = gemm_plan(w.dtype, tuple(w.shape),
+                                   {name: _bound(_GEMMS[name], w, bias, trial) for name in names})
+        plan = plans[key]
+        packed = _Packed(plan, torch.ops.mkldnn._reorder_linear_weight(w, 32) if "onednn" in plan.values() else None)
+        module._corekv_packed = packed
+        module.forward = (_float32_linear if w.dtype == torch.float32 else _bfloat16_linear)(w, bias, packed)
 
 
-#: a bfloat16 CPU Linear called with at least this many rows multiplies in float32: from here on
-#: the upcast beats oneDNN's packed bfloat16 GEMM on CPUs without AMX (see prepare_linear_weights)
-BF16_UPCAST_MIN_ROWS = 128
+#: from this many rows a CPU Linear runs its plan's GEMM for many rows (a prefill's), below it the
+#: one for few rows (see prepare_linear_weights)
+MANY_ROWS_FROM = 128
 
 #: the rows (least, most) a Linear inside a native runner's step sends to the native kernel, by
-#: weight dtype: a decode step's (a prefill's thousand rows stay with MKL or float32, at the FMA
+#: weight dtype: a decode step's (a prefill's thousand rows stay with the plan's GEMM, at the FMA
 #: peak there; one float32 row is a GEMV MKL streams as fast).
 #: NOTE: the bounds are the rows where the native kernel is faster than what it replaces, MKL for
-#: float32 and oneDNN's packed GEMM for bfloat16 (benchmarks/cpu_kernels.py's linears tables;
+#: float32 and oneDNN's packed GEMM for bfloat16, on an Intel and an AMD AVX-512 CPU (benchmarks/cpu_kernels.py's linears tables;
 #: BENCHMARKS.md, "Native float32 linear for 2-32 rows" and "Native linear for bfloat16 decode steps").
 NATIVE_LINEAR_ROWS = {torch.float32: (2, 32), torch.bfloat16: (1, 16)}
 
 
 class _Packed:
-    """Copies of one Linear's weight in the layouts its kernels read: oneDNN's blocked layout
-    (bfloat16) and column panels for the native kernel, with the kernel of the instruction set
-    that packed them (the panels' width is that set's; both set by :func:`use_native_linears`)."""
+    """One Linear's GEMM plan (``{"few": name, "many": name}`` of :data:`_GEMMS`) and the copies of
+    its weight the plan's kernels read: oneDNN's blocked layout where the plan uses it, and column
+    panels for the native kernel with the kernel of the instruction set that packed them (the
+    panels' width is that set's; both set by :func:`use_native_linears`)."""
 
-    def __init__(self, onednn: torch.Tensor | None = None):
+    def __init__(self, plan: dict[str, str] | None, onednn: torch.Tensor | None = None):
+        self.plan = plan
         self.onednn = onednn
         self.panels: torch.Tensor | None = None
         self.small_linear = None
+
+
+def _upcast(x, weight, bias, packed):
+    return F.linear(x.float(), weight.float(), None if bias is None else bias.float()).to(x.dtype)
+
+
+#: the GEMMs a plan names: ``(x, weight, bias, packed) -> F.linear(x, weight, bias)``
+_GEMMS = {
+    "mkl": lambda x, weight, bias, packed: F.linear(x, weight, bias),
+    "F.linear": lambda x, weight, bias, packed: F.linear(x, weight, bias),
+    "onednn": lambda x, weight, bias, packed: torch.ops.mkldnn._linear_pointwise(x, packed.onednn, bias, "none", [], ""),
+    "upcast": _upcast,
+}
+
+
+def _bound(gemm, weight, bias, packed):
+    return lambda x: gemm(x, weight, bias, packed)
+
+
+def _planned(x, weight, bias, packed: _Packed):
+    """``F.linear(x, weight, bias)`` by the GEMM the plan names for ``x``'s rows."""
+    many = x.numel() >= MANY_ROWS_FROM * weight.shape[1]
+    return _GEMMS[packed.plan["many" if many else "few"]](x, weight, bias, packed)
 
 
 #: each Linear's :class:`_Packed`, by the handle its forward passes to its opaque op under
@@ -112,30 +152,25 @@ def _native_matmul(x, weight, bias, packed: _Packed):
 
 
 def use_native_linears(hf_model: Any, kernels) -> None:
-    """Give each float32 CPU ``nn.Linear``, and each bfloat16 one with a oneDNN copy, whose output
-    size is a multiple of 64 a copy of its weight packed into panels, multiplied by
-    ``kernels.small_linear`` for the rows of :data:`NATIVE_LINEAR_ROWS` during a step of a native
-    runner (``engine.compile``); anything else (other rows, a torch-path runner's steps,
-    ``model.generate`` and other plain Hugging Face use) runs as before. Idempotent. The packed
-    copies double the weights' memory (SmolLM2-135M, tied ``lm_head`` included: +540 MB in
-    float32, +270 MB in bfloat16).
+    """Give each prepared CPU ``nn.Linear`` (:func:`prepare_linear_weights`) whose output size is a
+    multiple of 64 a copy of its weight packed into panels, multiplied by ``kernels.small_linear``
+    for the rows of :data:`NATIVE_LINEAR_ROWS` during a step of a native runner; anything else
+    (other rows, a torch-path runner's steps, ``model.generate`` and other plain Hugging Face use)
+    runs as before. Idempotent. The packed copies double the weights' memory (SmolLM2-135M, tied
+    ``lm_head`` included: +540 MB in float32, +270 MB in bfloat16).
     """
     for module in hf_model.modules():
         weight = getattr(module, "weight", None)
-        if not isinstance(module, torch.nn.Linear) or weight.device.type != "cpu" or weight.shape[0] % 64:
-            continue
         packed = getattr(module, "_corekv_packed", None)
-        if weight.dtype == torch.float32 and packed is None:
-            module._corekv_packed = packed = _Packed()
-            module.forward = _float32_linear(weight.detach(), module.bias, packed)
-        if packed is not None and packed.panels is None:
+        if isinstance(module, torch.nn.Linear) and packed is not None and packed.panels is None \
+                and weight.shape[0] % 64 == 0:
             packed.panels = kernels.pack_linear_weight(weight.detach())
             packed.small_linear = kernels.small_linear
 
 
 def _bfloat16_linear(weight: torch.Tensor, bias: torch.Tensor | None, packed: _Packed):
-    """``forward`` of a bfloat16 CPU Linear: oneDNN on a packed copy, float32 for many rows, or
-    the native kernel for a native runner's few rows.
+    """``forward`` of a bfloat16 CPU Linear: its plan's GEMM, or the native kernel for a native
+    runner's few rows.
 
     NOTE: under torch.compile (engine.compile) the call is one opaque op that finds the packed
     copies by handle (inductor cannot lower oneDNN's op on a packed constant itself) and chooses
@@ -153,9 +188,7 @@ def _bfloat16_linear(weight: torch.Tensor, bias: torch.Tensor | None, packed: _P
 def _bfloat16_matmul(x, weight, bias, packed: _Packed):
     if packed.panels is not None and _native_rows(x, weight) and in_native_step():
         return _native_matmul(x, weight, bias, packed)
-    if x.numel() >= BF16_UPCAST_MIN_ROWS * weight.shape[1]:
-        return F.linear(x.float(), weight.float(), None if bias is None else bias.float()).to(x.dtype)
-    return torch.ops.mkldnn._linear_pointwise(x, packed.onednn, bias, "none", [], "")
+    return _planned(x, weight, bias, packed)
 
 
 @torch.library.custom_op("corekv::bfloat16_linear", mutates_args=())
@@ -173,9 +206,11 @@ _bfloat16_linear_op.register_fake(_linear_output)
 
 
 def _float32_linear(weight: torch.Tensor, bias: torch.Tensor | None, packed: _Packed):
-    """``forward`` of a float32 CPU Linear with panels (see :func:`use_native_linears`).
+    """``forward`` of a float32 CPU Linear: its plan's GEMM, or with panels (see
+    :func:`use_native_linears`) the native kernel for a native runner's few rows.
 
-    NOTE: under torch.compile an opaque op for decode-sized steps only (a guard on the step's size):
+    NOTE: under torch.compile ``F.linear`` (inductor's GEMM), and with panels an opaque op for
+    decode-sized steps only (a guard on the step's size):
     decode-sized steps get a graph of their own, so a prefill's linears stay inductor's GEMMs on its
     planned buffers (behind an opaque op they would write fresh outputs, which costs a prefill more
     than the decode steps gain). The price is one more graph, compiled when the engine starts
@@ -184,24 +219,26 @@ def _float32_linear(weight: torch.Tensor, bias: torch.Tensor | None, packed: _Pa
     handle = _register(packed)
 
     def forward(x):
-        if not _native_rows(x, weight):
-            return F.linear(x, weight, bias)
+        if packed.panels is not None and _native_rows(x, weight):
+            if torch.compiler.is_compiling():
+                return torch.ops.corekv.float32_linear(x, weight, bias, handle)
+            return _float32_matmul(x, weight, bias, packed)
         if torch.compiler.is_compiling():
-            return torch.ops.corekv.float32_linear(x, weight, bias, handle)
-        return _float32_matmul(x, weight, bias, packed)
+            return F.linear(x, weight, bias)
+        return _planned(x, weight, bias, packed)
     return forward
 
 
 def _float32_matmul(x, weight, bias, packed: _Packed):
     if in_native_step():
         return _native_matmul(x, weight, bias, packed)
-    return F.linear(x, weight, bias)
+    return _planned(x, weight, bias, packed)
 
 
 @torch.library.custom_op("corekv::float32_linear", mutates_args=())
 def _float32_linear_op(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
                        handle: int) -> torch.Tensor:
-    """A compiled graph's decode-sized Linear; ``F.linear`` when its graph runs outside a native
+    """A compiled graph's decode-sized Linear; the plan's GEMM when its graph runs outside a native
     runner's step (dynamo's guards do not see which runner calls it)."""
     return _float32_matmul(x, weight, bias, _packed(handle))
 

@@ -32,6 +32,7 @@ at once (ninja rebuilds only what changed).
 """
 from __future__ import annotations
 
+import logging
 import os
 import platform
 import shutil
@@ -50,6 +51,8 @@ NATIVE_DTYPES = (torch.float32, torch.bfloat16)
 _module = None
 #: the kernels of each instruction set asked for, by name
 _kernels: dict[str, NativeKernels] = {}
+_warned = False  # wants_native_kernels logged a failed build
+logger = logging.getLogger(__name__)
 
 
 class NativeKernels(NamedTuple):
@@ -92,6 +95,26 @@ def load_native_attention(isa: str | None = None) -> NativeKernels:
         sub = getattr(module, isa)
         _kernels[isa] = NativeKernels(sub.paged_decode, sub.paged_prefill, sub.pack_linear_weight, sub.small_linear, isa)
     return _kernels[isa]
+
+
+def wants_native_kernels(setting: str, device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether a runner on ``device`` for ``dtype`` takes the native kernels under
+    ``engine.cpu_kernels`` = ``setting`` (``auto``, ``native``, ``torch``); builds them to know.
+    Raises :class:`NativeBuildError` for ``native`` where they cannot be built; ``auto`` logs why
+    once and answers False (the torch path serves)."""
+    if setting == "torch" or device.type != "cpu" or dtype not in NATIVE_DTYPES:
+        return False
+    try:
+        load_native_attention()
+    except NativeBuildError as exc:
+        if setting == "native":
+            raise
+        global _warned
+        if not _warned:
+            _warned = True
+            logger.warning("%s; serving on the torch path (engine.cpu_kernels: torch skips the build)", exc)
+        return False
+    return True
 
 
 def built_isas() -> list[str]:

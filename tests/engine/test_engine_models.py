@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import importlib.metadata
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -11,7 +12,7 @@ import torch
 
 from corekv.errors import CoreKVError
 from corekv.engine import models
-from corekv.engine.cpu.linears import BF16_UPCAST_MIN_ROWS, prepare_linear_weights
+from corekv.engine.cpu.linears import prepare_linear_weights
 from corekv.engine.models import check_architecture, load_model
 from corekv.engine.tiny_model import make_byte_tokenizer, make_tiny_llama
 
@@ -112,27 +113,49 @@ def test_float32_cpu_linear_weights_are_stored_transposed_with_the_same_values(t
     assert make_tiny_llama(dtype="bfloat16").model.lm_head.weight.is_contiguous()
 
 
-@pytest.mark.skipif(not torch.ops.mkldnn._is_mkldnn_bf16_supported(), reason="this CPU has no oneDNN bfloat16")
-def test_bfloat16_cpu_linears_run_on_onednn_packed_weights_with_the_same_results():
-    loaded = make_tiny_llama(dtype="bfloat16")
-    linears = [(n, m) for n, m in loaded.model.named_modules() if isinstance(m, torch.nn.Linear)]
-    assert linears and all("forward" in vars(m) for _, m in linears)  # every Linear got the packed forward
-    hidden = loaded.model.config.hidden_size
-    few = torch.randn(3, 5, hidden, dtype=torch.bfloat16)
-    many = torch.randn(1, BF16_UPCAST_MIN_ROWS, hidden, dtype=torch.bfloat16)
-    for name, module in linears:
-        if module.in_features == hidden:
-            # few rows: oneDNN on the packed copy, bit for bit F.linear's result
-            assert torch.equal(module(few), torch.nn.functional.linear(few, module.weight, module.bias)), name
-            # many rows: float32 products and sums rounded once, within a bfloat16 rounding of F.linear's
-            got, ref = module(many), torch.nn.functional.linear(many, module.weight, module.bias)
-            assert got.dtype == torch.bfloat16 and got.shape == ref.shape, name
-            torch.testing.assert_close(got.float(), ref.float(), rtol=2 ** -7, atol=1e-2)
-            bias = None if module.bias is None else module.bias.float()
-            exact = torch.nn.functional.linear(many.float(), module.weight.float(), bias)
-            assert torch.equal(got, exact.to(torch.bfloat16)), name
-    assert "forward" not in vars(make_tiny_llama().model.lm_head)  # float32 is not packed
-    # under torch.compile (engine.compile) the same kernels run as one opaque op
+def test_cpu_linears_run_the_gemm_their_plan_names_with_f_linears_results():
+    """Every CPU Linear gets a plan per shape (timed, then cached: the same plan for the same
+    shape); whichever GEMM it names, the result is F.linear's: oneDNN's bfloat16 GEMM bit for bit,
+    the float32 upcast as the exact float32 product rounded once, float32 GEMMs to float32
+    rounding. Under torch.compile the same kernels run as one opaque op (bfloat16)."""
+    from corekv.engine.cpu import linears as cpu_linears
+
+    for dtype in ("float32", "bfloat16"):
+        loaded = make_tiny_llama(dtype=dtype)
+        modules = [(n, m) for n, m in loaded.model.named_modules() if isinstance(m, torch.nn.Linear)]
+        assert modules and all("forward" in vars(m) for _, m in modules)  # every Linear got a planned forward
+        plans = {}
+        for name, module in modules:
+            plan = module._corekv_packed.plan
+            assert set(plan) == {"few", "many"} and plans.setdefault(tuple(module.weight.shape), plan) == plan, name
+        hidden = loaded.model.config.hidden_size
+        few = torch.randn(3, 5, hidden).to(loaded.dtype)
+        many = torch.randn(1, cpu_linears.MANY_ROWS_FROM, hidden).to(loaded.dtype)
+        gemms = ("mkl", "onednn") if dtype == "float32" else \
+            ("onednn", "upcast") if torch.ops.mkldnn._is_mkldnn_bf16_supported() else ("F.linear", "upcast")
+        for name, module in modules:
+            if module.in_features != hidden:
+                continue
+            packed = module._corekv_packed
+            if packed.onednn is None and "onednn" in gemms:
+                packed.onednn = torch.ops.mkldnn._reorder_linear_weight(module.weight.detach(), 32)
+            chosen = dict(packed.plan)
+            for gemm in gemms:
+                packed.plan = {"few": gemm, "many": gemm}
+                for x in (few, many):
+                    got, ref = module(x), torch.nn.functional.linear(x, module.weight, module.bias)
+                    assert got.dtype == loaded.dtype and got.shape == ref.shape, (name, gemm)
+                    if gemm == "upcast":
+                        bias = None if module.bias is None else module.bias.float()
+                        exact = torch.nn.functional.linear(x.float(), module.weight.float(), bias)
+                        assert torch.equal(got, exact.to(torch.bfloat16)), name
+                    elif gemm == "onednn" and dtype == "bfloat16" and x is few:
+                        assert torch.equal(got, ref), name
+                    else:
+                        tolerance = 1e-5 if dtype == "float32" else 1e-2
+                        torch.testing.assert_close(got.float(), ref.float(), rtol=tolerance, atol=tolerance)
+            packed.plan = chosen
+    # under torch.compile (engine.compile) a bfloat16 Linear's kernels run as one opaque op
     module = loaded.model.model.layers[0].mlp.up_proj
     compiled = torch.compile(lambda x: module(x) + 0, dynamic=True)
     for x in (few, many):
@@ -142,6 +165,25 @@ def test_bfloat16_cpu_linears_run_on_onednn_packed_weights_with_the_same_results
     prepare_linear_weights(loaded.model)
     assert module._corekv_packed is packed and module.forward is forward
     assert torch.equal(compiled(few), module(few))
+
+
+def test_a_gemm_plan_is_timed_once_per_machine_and_read_back(tmp_path, monkeypatch):
+    """The plan of a shape is cached on disk under this machine's key: a second preparation reads
+    it instead of timing (here: the cached choice is honoured even against the timing), and a
+    cache it cannot read is timed again."""
+    from corekv.engine.cpu import gemm_plan
+
+    monkeypatch.setenv("COREKV_CACHE_DIR", str(tmp_path))
+    make_tiny_llama()
+    cache = json.loads(gemm_plan.cache_path().read_text())
+    assert cache and all(set(plan) == {"few", "many"} for plan in cache.values())
+    forced = {key: {"few": "mkl", "many": "mkl"} if "float32" in key else plan for key, plan in cache.items()}
+    gemm_plan.cache_path().write_text(json.dumps(forced))
+    again = make_tiny_llama()
+    assert {m._corekv_packed.plan["many"] for m in again.model.modules() if isinstance(m, torch.nn.Linear)} == {"mkl"}
+    gemm_plan.cache_path().write_text("not json")
+    assert make_tiny_llama().model.lm_head._corekv_packed.plan
+    assert json.loads(gemm_plan.cache_path().read_text())  # timed again and rewritten
 
 
 # ---- architectures that cannot be served -----------------------------------------------------
