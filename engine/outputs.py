@@ -10,11 +10,30 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["CompletionOutput", "RequestOutput", "FINISH_REASONS"]
+__all__ = ["CompletionOutput", "RequestOutput", "TokenLogprobs", "FINISH_REASONS"]
 
 #: ``stop``: an EOS token, a stop token id or a stop string; ``length``: ``max_tokens`` reached;
 #: ``abort``: the engine gave the request up (aborted by the caller, or it could no longer fit).
 FINISH_REASONS = ("stop", "length", "abort")
+
+
+@dataclass(frozen=True)
+class TokenLogprobs:
+    """The log-probabilities of one generated token (``SamplingParams.logprobs``).
+
+    They are of the model's raw distribution, ``log_softmax`` of its logits before logit_bias,
+    min_tokens, penalties, temperature and the filters (vLLM's default): what the model thinks,
+    whatever picked the token.
+
+    :param token_id: the generated token.
+    :param logprob: its log-probability.
+    :param top: the ``SamplingParams.logprobs`` most likely ``(token_id, logprob)`` pairs, most
+        likely first; it may or may not contain ``token_id``.
+    """
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -28,6 +47,8 @@ class CompletionOutput:
     :param token_ids: the generated token ids, including an EOS or stop token that ended it.
     :param finish_reason: one of :data:`FINISH_REASONS`.
     :param tpot_s: mean seconds per output token after the first (``None`` with one token).
+    :param logprobs: with ``SamplingParams.logprobs``, one :class:`TokenLogprobs` per token of
+        ``token_ids``, in order; ``None`` when not asked for.
     """
 
     index: int
@@ -35,6 +56,7 @@ class CompletionOutput:
     token_ids: list[int]
     finish_reason: str
     tpot_s: float | None = None
+    logprobs: list[TokenLogprobs] | None = None
 
 
 @dataclass(frozen=True)

@@ -13,7 +13,7 @@ from corekv.engine.sequence import Sequence
 from corekv.config.values import describe_value
 
 __all__ = ["Request", "RequestRejectedError", "as_prompt_list", "per_prompt", "check_request_fits",
-           "check_prompt_chars", "max_prompt_chars", "num_prompt_chars", "make_output"]
+           "check_logit_bias", "check_prompt_chars", "max_prompt_chars", "num_prompt_chars", "make_output"]
 
 #: characters a normalizer may compose into one: NFC/NFKC join a base character and its marks
 #: (Greek: up to 3 marks; Hangul: 3 jamo into one syllable) into one code point
@@ -105,6 +105,16 @@ def check_request_fits(num_prompt_tokens: int, params: SamplingParams, *, num_bl
                                    f"{max_num_seqs}; lower n or raise engine.max_num_seqs")
 
 
+def check_logit_bias(params: SamplingParams, vocab_size: int) -> None:
+    """Raise :class:`RequestRejectedError` if ``params.logit_bias`` names a token id outside the
+    model's vocabulary ``[0, vocab_size)`` (it could not be added to the logits)."""
+    bad = [token_id for token_id, _ in params.logit_bias if token_id >= vocab_size]
+    if bad:
+        raise RequestRejectedError(
+            f"SamplingParams.logit_bias names token ids {bad[:5]} outside the model's vocabulary "
+            f"[0, {vocab_size}); bias only token ids the model has")
+
+
 def max_prompt_chars(max_tokens: int, tokenizer: Any) -> int | None:
     """The most characters a prompt of at most ``max_tokens`` tokens of ``tokenizer`` can have
     (None when the tokenizer's vocabulary cannot be read): longer prompts are refused without
@@ -150,8 +160,9 @@ def make_output(request: Request) -> RequestOutput:
     completions = []
     for seq in sorted(request.seqs, key=lambda s: s.index):
         seq.update_text(final=True)
+        logprobs = None if request.params.logprobs is None else list(seq.output_logprobs)
         completions.append(CompletionOutput(seq.index, seq.text, list(seq.output_token_ids),
-                                            seq.finish_reason, seq.tpot_s))
+                                            seq.finish_reason, seq.tpot_s, logprobs))
     head = request.seqs[0]
     num_cached = head.num_cached_tokens or 0
     by_tier = dict(head.cached_tokens_by_tier) or {"device": num_cached}

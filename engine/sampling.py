@@ -12,6 +12,10 @@ inverse-CDF sampling with a single uniform number from the row's own ``torch.Gen
 
 Each row consumes exactly one number from its own generator and its candidate count depends only on
 its own parameters, so a seeded request yields the same tokens whatever else shares the batch.
+
+The sampler takes the logits as given: the engine first applies each request's logit_bias,
+min_tokens and penalties (:mod:`corekv.engine.logits_processors`), and reports log-probabilities of
+the raw, unprocessed logits (:mod:`corekv.engine.logprobs`).
 """
 from __future__ import annotations
 
@@ -24,11 +28,14 @@ from typing import Any
 
 import torch
 
+from corekv.config.values import describe_value
 from corekv.errors import CoreKVError
 
-__all__ = ["Sampler", "SamplingParams", "SamplingParamsError", "make_generator"]
+__all__ = ["Sampler", "SamplingParams", "SamplingParamsError", "make_generator", "MAX_LOGPROBS"]
 
 _MAX_SEED = 2**63 - 1
+#: the most top log-probabilities a request may ask for per token (OpenAI's chat limit, vLLM's default)
+MAX_LOGPROBS = 20
 # NOTE: a top-p nucleus of a trained model is rarely more than a few dozen tokens; a wider one costs
 # one more topk pass per growth step, the last one over the whole vocabulary.
 _NUM_NUCLEUS_CANDIDATES = 64
@@ -44,6 +51,16 @@ def _fail(field: str, value: Any, expected: str, fix: str) -> SamplingParamsErro
     return SamplingParamsError(f"SamplingParams.{field} must be {expected}, got {value!r}; {fix}")
 
 
+class _Quoted:
+    """A value whose repr is cut to one readable line (for error messages)."""
+
+    def __init__(self, value: Any) -> None:
+        self.value = value
+
+    def __repr__(self) -> str:
+        return describe_value(self.value)
+
+
 def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
@@ -57,8 +74,11 @@ class SamplingParams:
     """How to pick the tokens of one request.
 
     Invariants (checked in ``__post_init__``): every field has its documented type and range,
-    ``stop`` and ``stop_token_ids`` are tuples, and ``temperature == 0`` means greedy (the filters
-    are then ignored). Instances are immutable, so the engine may share one between requests.
+    ``stop`` and ``stop_token_ids`` are tuples, ``logit_bias`` is a tuple of ``(token_id, bias)``
+    pairs sorted by token id (``dict(params.logit_bias)`` reads it), ``min_tokens <= max_tokens``,
+    and ``temperature == 0`` means greedy (the filters are then ignored; logit_bias, min_tokens and
+    the penalties still apply, so greedy is the argmax of the processed logits). Instances are
+    immutable, so the engine may share one between requests.
     """
 
     max_tokens: int = 16
@@ -73,6 +93,22 @@ class SamplingParams:
     n: int = 1
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    #: OpenAI's penalties on the generated tokens: ``logit - frequency_penalty * count -
+    #: presence_penalty * (count > 0)``; 0.0 = off
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    #: vLLM's and transformers' penalty on every token of the prompt and the output: a positive
+    #: logit is divided by it, a negative one multiplied; 1.0 = off
+    repetition_penalty: float = 1.0
+    #: ``{token_id: bias}`` added to the logits (a mapping in, sorted ``(token_id, bias)`` pairs kept)
+    logit_bias: tuple[tuple[int, float], ...] | Mapping = ()
+    #: EOS and ``stop_token_ids`` cannot be sampled, nor stop strings end the text, before this many
+    min_tokens: int = 0
+    #: None = off; ``k``: each generated token's log-probability and the ``k`` most likely tokens'
+    #: (:class:`corekv.engine.outputs.TokenLogprobs`). They are of the model's raw distribution,
+    #: ``log_softmax(logits)`` before logit_bias, min_tokens, penalties, temperature and the filters
+    #: (vLLM's default), so they do not depend on how the token was picked.
+    logprobs: int | None = None
 
     def __post_init__(self) -> None:
         if not _is_int(self.max_tokens) or self.max_tokens < 1:
@@ -101,11 +137,34 @@ class SamplingParams:
         if not _is_int(self.n) or self.n < 1:
             raise _fail("n", self.n, "an integer >= 1",
                         "pass the number of completions wanted per prompt, e.g. n=1")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not _is_real(value) or not -2 <= value <= 2:
+                raise _fail(name, value, "a number in [-2, 2]",
+                            f"use 0 to disable it or e.g. {name}=0.5 (negative values encourage repeats)")
+        if not _is_real(self.repetition_penalty) or self.repetition_penalty <= 0:
+            raise _fail("repetition_penalty", self.repetition_penalty, "a finite number > 0",
+                        "use 1.0 to disable it or e.g. repetition_penalty=1.2 (< 1 encourages repeats)")
+        object.__setattr__(self, "logit_bias", self._normalise_logit_bias(self.logit_bias))
+        if not _is_int(self.min_tokens) or not 0 <= self.min_tokens <= self.max_tokens:
+            raise _fail("min_tokens", self.min_tokens, f"an integer in [0, max_tokens={self.max_tokens}]",
+                        "use 0 to let the model stop at once, or raise max_tokens")
+        if self.logprobs is not None and (not _is_int(self.logprobs)
+                                          or not 0 <= self.logprobs <= MAX_LOGPROBS):
+            raise _fail("logprobs", self.logprobs, f"None or an integer in [0, {MAX_LOGPROBS}]",
+                        "use None for none, 0 for the sampled token's only, or e.g. logprobs=5")
 
     @property
     def is_greedy(self) -> bool:
         """True when the next token is always the argmax (``temperature == 0``)."""
         return self.temperature == 0
+
+    @property
+    def has_logits_processors(self) -> bool:
+        """True when logit_bias, min_tokens or a penalty changes the logits before sampling (see
+        :func:`corekv.engine.logits_processors.apply_logits_processors`)."""
+        return bool(self.logit_bias or self.min_tokens or self.presence_penalty
+                    or self.frequency_penalty or self.repetition_penalty != 1)
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> SamplingParams:
@@ -130,6 +189,28 @@ class SamplingParams:
             raise _fail("stop", stop, "a non-empty string or a list of non-empty strings",
                         "pass e.g. stop=['\\n\\n', 'User:'], or () for none")
         return tuple(stop)
+
+    @staticmethod
+    def _normalise_logit_bias(bias: Any) -> tuple[tuple[int, float], ...]:
+        fix = "pass e.g. logit_bias={50256: -100} (token id to a bias in [-100, 100]), or {} for none"
+        if isinstance(bias, Mapping):
+            pairs = list(bias.items())
+        elif isinstance(bias, (tuple, list)) and all(isinstance(p, (tuple, list)) and len(p) == 2
+                                                     for p in bias):
+            pairs = [tuple(p) for p in bias]
+        else:
+            raise _fail("logit_bias", _Quoted(bias), "a mapping of token ids to biases", fix)
+        # NOTE: an error quotes the offending entry, not a mapping that may hold thousands
+        for token_id, value in pairs:
+            if not _is_int(token_id) or token_id < 0:
+                raise _fail("logit_bias", {token_id: value}, "a mapping of token ids (integers >= 0) "
+                            "to biases", fix)
+            if not _is_real(value) or not -100 <= value <= 100:
+                raise _fail("logit_bias", {token_id: value}, "a mapping of token ids to biases in "
+                            "[-100, 100]", fix)
+        if len({token_id for token_id, _ in pairs}) != len(pairs):
+            raise _fail("logit_bias", _Quoted(bias), "a mapping with each token id once", fix)
+        return tuple(sorted((token_id, float(value)) for token_id, value in pairs))
 
     @staticmethod
     def _normalise_stop_token_ids(ids: Any) -> tuple[int, ...]:

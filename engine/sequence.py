@@ -15,6 +15,7 @@ import torch
 from corekv.hashing import PrefixKey
 from corekv.offload import Parked
 from corekv.engine.detokenizer import IncrementalDetokenizer, find_stop
+from corekv.engine.outputs import TokenLogprobs
 from corekv.engine.sampling import SamplingParams
 
 __all__ = ["Sequence", "SequenceStatus"]
@@ -50,6 +51,8 @@ class Sequence:
         self.key = key
         self.num_prompt_tokens = len(prompt_token_ids)
         self.output_token_ids: list[int] = []
+        #: with ``params.logprobs``, one per output token (appended by the engine as it samples)
+        self.output_logprobs: list[TokenLogprobs] = []
         self.generator = generator
         self.detokenizer = detokenizer
         self.status = SequenceStatus.WAITING
@@ -67,6 +70,8 @@ class Sequence:
         self.num_preemptions = 0
         #: completions still to fork off this one once its prompt is computed (``n - 1``, then 0)
         self.num_pending_forks = params.n - 1
+        #: tokens proposed to follow this one's, verified in the next step (corekv.engine.spec_decode)
+        self.draft_token_ids: list[int] = []
         self.finish_reason: str | None = None
         self.text = ""
         self._num_detokenized = 0
@@ -119,8 +124,11 @@ class Sequence:
         token_id = self.output_token_ids[-1]
         if params.stop:
             # NOTE: stop strings need the text as it grows; otherwise detokenizing waits for the end.
+            # Before min_tokens the text still grows (so later searches start past it) unsearched.
             delta = self.update_text()
-            cut = find_stop(self.text, params.stop, len(delta), params.include_stop_str_in_output)
+            cut = None
+            if self.num_output_tokens >= params.min_tokens:
+                cut = find_stop(self.text, params.stop, len(delta), params.include_stop_str_in_output)
             if cut is not None:
                 self.text = self.text[:cut]
                 self._is_text_final = True
@@ -168,6 +176,7 @@ class Sequence:
         child = Sequence(self.request_id, self.prompt_token_ids, self.params, key, index=index,
                          generator=generator, detokenizer=detokenizer, arrival_time=self.arrival_time)
         child.output_token_ids = list(self.output_token_ids)
+        child.output_logprobs = list(self.output_logprobs)
         child.status = self.status
         child.block_table = list(self.block_table)
         child.num_computed_tokens = self.num_computed_tokens

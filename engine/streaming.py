@@ -7,6 +7,7 @@ a completion runs, its last ``len(longest stop) - 1`` characters are held back.
 """
 from __future__ import annotations
 
+from corekv.engine.outputs import TokenLogprobs
 from corekv.engine.requests import Request
 
 __all__ = ["TextStream"]
@@ -27,6 +28,7 @@ class TextStream:
         # seen so far plus text still to come, so holding back k - 1 is enough and no more.
         self.holdback = max((len(s) for s in request.params.stop), default=1) - 1
         self._num_emitted: dict[int, int] = {}
+        self._num_logprobs_emitted: dict[int, int] = {}
 
     @property
     def is_finished(self) -> bool:
@@ -44,4 +46,18 @@ class TextStream:
             if end > emitted:
                 deltas.append((seq.index, seq.text[emitted:end]))
                 self._num_emitted[seq.index] = end
+        return deltas
+
+    def logprob_deltas(self) -> list[tuple[int, list[TokenLogprobs]]]:
+        """``(completion index, new TokenLogprobs)`` for every completion with log-probabilities
+        not yet handed out (``SamplingParams.logprobs``), one per token as soon as it is sampled:
+        unlike the text, nothing is held back, so they may run ahead of :meth:`deltas`."""
+        if self.request.params.logprobs is None:
+            return []
+        deltas = []
+        for seq in self.request.seqs:
+            emitted = self._num_logprobs_emitted.get(seq.index, 0)
+            if len(seq.output_logprobs) > emitted:
+                deltas.append((seq.index, seq.output_logprobs[emitted:]))
+                self._num_logprobs_emitted[seq.index] = len(seq.output_logprobs)
         return deltas

@@ -3,8 +3,8 @@ engine, and :func:`serve`, which runs it under uvicorn with a graceful shutdown.
 
 Endpoints::
 
-    POST /v1/completions        prompt: str | list[int]          (stream: SSE chunks, data: [DONE])
-    POST /v1/chat/completions   messages: [{"role", "content"}]
+    POST /v1/completions        prompt: str | list[int] | a batch of either  (stream: SSE chunks,
+    POST /v1/chat/completions   messages: [{"role", "content"}]                data: [DONE])
     GET  /v1/models             the one served model
     GET  /health                200 {"status": "ok"}, 503 once the engine is dead or stopping
     GET  /metrics               Prometheus text (the engine's prometheus exporter)
@@ -24,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import re
 from collections.abc import AsyncIterator, Awaitable
 from typing import Any
 
@@ -32,11 +33,14 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
 
 from corekv.errors import CoreKVError
-from corekv.server.async_engine import AsyncEngine, Delta, EngineStepError, EngineUnavailableError
+from corekv.engine.outputs import RequestOutput
+from corekv.server.async_engine import (AsyncEngine, Delta, EngineStepError, EngineUnavailableError,
+                                        RequestHandle)
 from corekv.server.auth import APIKeyGuard, check_api_key
 from corekv.server.limits import DEFAULT_MAX_REQUEST_BYTES, BodyLimit, check_max_request_bytes
 from corekv.server.protocol import (APIError, GenerateRequest, error_body, parse_chat,
                                     parse_completion, parse_json, parse_prefix)
+from corekv.server.logprobs import TokenTexts
 from corekv.server.responses import ResponseWriter, SSE_DONE, sse
 
 __all__ = ["build_app", "as_api_error", "kv_events_info"]
@@ -64,6 +68,7 @@ def build_app(engine: Any, *, served_model_name: str | None = None, close_engine
     check_max_request_bytes(max_request_bytes)  # NOTE: here, not when the first request builds the stack
     model_id = served_model_name or str(engine.config.model)
     runner = AsyncEngine(engine, close_engine=close_engine)
+    tokens = TokenTexts(engine.model.tokenizer)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -95,11 +100,12 @@ def build_app(engine: Any, *, served_model_name: str | None = None, close_engine
     @app.post("/v1/completions")
     async def completions(request: Request):
         req = parse_completion(await _json(request))
-        return await _generate(runner, model_id, req, "completion", request)
+        return await _generate(runner, model_id, req, "completion", request, tokens)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
-        return await _generate(runner, model_id, parse_chat(await _json(request)), "chat", request)
+        return await _generate(runner, model_id, parse_chat(await _json(request)), "chat", request,
+                               tokens)
 
     @app.get("/v1/models")
     async def models():
@@ -184,7 +190,8 @@ def as_api_error(error: BaseException) -> APIError:
         # NOTE: raised while admitting a request (SamplingParams, the prompt, the chat template,
         # a request too long for the pool): all about what the client sent.
         code = "request_rejected" if type(error).__name__ == "RequestRejectedError" else None
-        return APIError(str(error), status=400, code=code)
+        named = re.match(r"SamplingParams\.(\w+) ", str(error))
+        return APIError(str(error), status=400, code=code, param=named and named.group(1))
     return APIError(f"internal error: {type(error).__name__}: {error}", status=500, type="server_error")
 
 
@@ -203,48 +210,131 @@ async def _answer(work: Awaitable[Any]) -> Any:
 
 
 async def _generate(runner: AsyncEngine, model_id: str, req: GenerateRequest, kind: str,
-                    http_request: Request):
+                    http_request: Request, tokens: TokenTexts):
     if req.model is not None and req.model != model_id:
         raise APIError(f"the model {req.model!r} does not exist; this server serves {model_id!r} "
                        "(see GET /v1/models)", status=404, param="model", code="model_not_found")
-    try:
-        handle = await runner.submit(req.prompt, req.params, req.cache_salt)
-    except Exception as e:
-        raise as_api_error(e) from e
-    writer = ResponseWriter(kind, model_id, req.params.n)
-    if not req.stream:
-        result = asyncio.ensure_future(handle.result())
-        # NOTE: nothing is sent until the end, so only polling notices a client that gave up;
-        # cancelling the wait aborts the request in the engine.
-        while not (await asyncio.wait({result}, timeout=DISCONNECT_POLL_S))[0]:
-            if await http_request.is_disconnected():
-                result.cancel()
-                return Response(status_code=499)
+    n = req.params.n
+    writer = ResponseWriter(kind, model_id, n, tokens=tokens if req.params.logprobs is not None else None,
+                            skip_special_tokens=req.params.skip_special_tokens)
+    handles = await _submit_all(runner, req)  # NOTE: first: it checks token ids against the vocabulary
+    echoes = None
+    if req.echo:  # NOTE: token-id prompts are decoded on a worker thread (a long prompt takes a while)
         try:
-            output = result.result()
-        except Exception as e:
-            raise as_api_error(e) from e
-        return writer.full(output)
+            echoes = await asyncio.to_thread(_prompt_texts, runner.engine.model.tokenizer, req)
+        except BaseException:
+            for handle in handles:
+                runner.abort(handle.request_id)
+            raise
+    if not req.stream:
+        results = [asyncio.ensure_future(handle.result()) for handle in handles]
+        try:
+            # NOTE: nothing is sent until the end, so only polling notices a client that gave up;
+            # cancelling the waits (as the finally does) aborts the requests in the engine.
+            while True:
+                done, pending = await asyncio.wait(results, timeout=DISCONNECT_POLL_S,
+                                                   return_when=asyncio.FIRST_EXCEPTION)
+                failed = next((r for r in done if r.exception() is not None), None)
+                if failed is not None:
+                    raise as_api_error(failed.exception()) from failed.exception()
+                if not pending:
+                    break
+                if await http_request.is_disconnected():
+                    return Response(status_code=499)
+        finally:
+            for r in results:
+                r.cancel()
+        return writer.full([r.result() for r in results], echoes)
 
     async def events() -> AsyncIterator[str]:
         for chunk in writer.opening():
             yield chunk
+        for i, echo in enumerate(echoes or ()):
+            for j in range(n):
+                yield writer.delta(i * n + j, echo)
+        outputs: list[RequestOutput | None] = [None] * len(handles)
         try:
-            async for event in handle:
-                if isinstance(event, Delta):
-                    yield writer.delta(event.index, event.text)
-                else:
-                    for chunk in writer.closing(event, req.include_usage):
-                        yield chunk
+            async with contextlib.aclosing(_merged(handles)) as merged:
+                async for i, event in merged:
+                    if isinstance(event, Delta):
+                        yield writer.delta(i * n + event.index, event.text, event.logprobs)
+                    else:
+                        outputs[i] = event
+                        for c in event.outputs:
+                            yield writer.finish(i * n + c.index, c.finish_reason)
         except EngineStepError as e:
             # NOTE: the 200 status is already sent: the error goes in the stream, as vLLM does.
             yield sse(as_api_error(e).body())
             yield SSE_DONE
+            return
+        if req.include_usage:
+            yield writer.usage_chunk(outputs)
+        yield SSE_DONE
 
     # NOTE: when the client disconnects, Starlette stops this generator; leaving the `async for`
-    # over the handle aborts the request in the engine.
+    # over the handles aborts the requests in the engine.
     return StreamingResponse(events(), media_type="text/event-stream",
                              headers={"Cache-Control": "no-cache"})
+
+
+async def _submit_all(runner: AsyncEngine, req: GenerateRequest) -> list[RequestHandle]:
+    """Admit every prompt of ``req`` (together, so they join the same step); if one is refused,
+    abort the others and raise its error (naming the prompt in a batch)."""
+    results = await asyncio.gather(*(runner.submit(p, req.params, req.cache_salt) for p in req.prompts),
+                                   return_exceptions=True)
+    failed = next(((i, r) for i, r in enumerate(results) if isinstance(r, BaseException)), None)
+    if failed is None:
+        return list(results)
+    for result in results:
+        if isinstance(result, RequestHandle):
+            runner.abort(result.request_id)
+    index, error = failed
+    if not isinstance(error, Exception):
+        raise error  # NOTE: a cancellation (the client left) is no HTTP error
+    api_error = as_api_error(error)
+    if len(req.prompts) > 1 and api_error.status == 400:
+        api_error = APIError(f"prompt[{index}]: {api_error}", status=400, param=api_error.param or "prompt",
+                             code=api_error.code)
+    raise api_error from error
+
+
+async def _merged(handles: list[RequestHandle]) -> AsyncIterator[tuple[int, Any]]:
+    """``(prompt index, event)`` of every handle as they come; ends when all have their output.
+    Leaving early (or a failed request) stops the others, which aborts them in the engine."""
+    if len(handles) == 1:  # NOTE: the common case, without a task per handle
+        async with contextlib.aclosing(handles[0].__aiter__()) as events:
+            async for event in events:
+                yield 0, event
+        return
+    merged: asyncio.Queue = asyncio.Queue()
+
+    async def pump(index: int, handle: RequestHandle) -> None:
+        try:
+            async for event in handle:
+                merged.put_nowait((index, event))
+        except Exception as e:
+            merged.put_nowait((index, e))
+
+    tasks = [asyncio.ensure_future(pump(i, h)) for i, h in enumerate(handles)]
+    try:
+        num_open = len(handles)
+        while num_open:
+            index, event = await merged.get()
+            if isinstance(event, Exception):
+                raise event
+            if isinstance(event, RequestOutput):
+                num_open -= 1
+            yield index, event
+    finally:
+        for task in tasks:
+            task.cancel()
+
+
+def _prompt_texts(tokenizer: Any, req: GenerateRequest) -> list[str]:
+    """Each prompt's text, as ``echo`` prepends it: a string as sent, token ids decoded."""
+    return [p if isinstance(p, str)
+            else tokenizer.decode(p, skip_special_tokens=req.params.skip_special_tokens)
+            for p in req.prompts]
 
 
 def _is_template_error(error: BaseException) -> bool:

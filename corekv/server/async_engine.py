@@ -1,5 +1,5 @@
 """One engine, many concurrent HTTP requests: a thread that owns the engine and steps it, and a
-per-request asyncio queue of text deltas.
+per-request asyncio queue of text deltas (with their tokens' logprobs when asked for).
 
 The :class:`corekv.Engine` is not thread-safe, so exactly one thread (the *engine thread*) touches
 it. Handlers on the event loop hand work in through a thread-safe inbox (new requests, aborts, and
@@ -21,7 +21,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
-from corekv.engine.outputs import RequestOutput
+from corekv.engine.outputs import RequestOutput, TokenLogprobs
 from corekv.engine.requests import RequestRejectedError
 from corekv.errors import CoreKVError
 from corekv.engine.sampling import SamplingParams
@@ -45,10 +45,13 @@ class EngineUnavailableError(EngineStepError):
 
 @dataclass(frozen=True)
 class Delta:
-    """New text of completion ``index``."""
+    """New text of completion ``index``, and (``SamplingParams.logprobs``) the log-probabilities
+    of its tokens sampled since the last delta; these may run ahead of the text, which holds
+    back what could start a stop string."""
 
     index: int
     text: str
+    logprobs: tuple[TokenLogprobs, ...] = ()
 
 
 class RequestHandle:
@@ -263,8 +266,11 @@ class AsyncEngine:
     def _publish(self, outputs: list[RequestOutput]) -> None:
         finished = {o.request_id: o for o in outputs}
         for request_id, active in list(self._active.items()):
+            logprobs = dict(active.text.logprob_deltas())
             for index, text in active.text.deltas():
-                active.push(Delta(index, text))
+                active.push(Delta(index, text, tuple(logprobs.pop(index, ()))))
+            for index, new in logprobs.items():  # NOTE: tokens whose text is still held back
+                active.push(Delta(index, "", tuple(new)))
             output = finished.get(request_id)
             if output is not None:
                 active.push(output)

@@ -5,10 +5,12 @@ JSON object checked by hand (no schema library): each rejection is an
 :class:`APIError` whose message names the field, the value received, what was expected and the
 fix, and whose ``param`` is the field, as OpenAI's own errors do. Unknown fields are rejected with
 the closest known name (a misspelled ``max_token`` must not silently fall back to the default);
-OpenAI fields this server does not implement are accepted only at their "off" value.
+OpenAI fields this server does not implement are accepted only at their "off" value, and any other
+value is a 400 that names the field and the feature it asks for.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 from collections.abc import Mapping
@@ -16,26 +18,46 @@ from dataclasses import dataclass
 from typing import Any
 
 from corekv.config.values import describe_value, did_you_mean
-from corekv.engine.sampling import SamplingParams
+from corekv.engine.sampling import MAX_LOGPROBS, SamplingParams
 
 __all__ = ["APIError", "GenerateRequest", "error_body", "parse_json", "parse_completion",
            "parse_chat", "parse_prefix", "DEFAULT_MAX_TOKENS", "DEFAULT_CHAT_MAX_TOKENS",
-           "MAX_JSON_DEPTH"]
+           "MAX_JSON_DEPTH", "MAX_NUM_PROMPTS"]
 
 DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 DEFAULT_CHAT_MAX_TOKENS = 256  # chat has no OpenAI default short of the context; a bounded one
+#: prompts one /v1/completions request may batch (each is one engine request; more: send several)
+MAX_NUM_PROMPTS = 1024
 _SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "seed", "stop", "n", "ignore_eos",
-                    "stop_token_ids", "include_stop_str_in_output", "skip_special_tokens")
+                    "stop_token_ids", "include_stop_str_in_output", "skip_special_tokens",
+                    "presence_penalty", "frequency_penalty", "repetition_penalty", "min_tokens")
 _COMMON_FIELDS = ("model", "max_tokens", "stream", "stream_options", "cache_salt", "user",
-                  *_SAMPLING_FIELDS)
-#: accepted only at these values (OpenAI features this server does not implement)
-_OFF_VALUES = {"logprobs": (None, False, 0), "echo": (None, False), "best_of": (None, 1),
-               "frequency_penalty": (None, 0), "presence_penalty": (None, 0),
-               "logit_bias": (None, {}), "suffix": (None,), "top_logprobs": (None, 0),
-               "tools": (None, []), "tool_choice": (None, "none"), "parallel_tool_calls": (None,),
-               "response_format": (None, {"type": "text"})}
-_COMPLETION_FIELDS = ("prompt", *_COMMON_FIELDS)
-_CHAT_FIELDS = ("messages", "max_completion_tokens", *_COMMON_FIELDS)
+                  "logit_bias", *_SAMPLING_FIELDS)
+_COMPLETION_FIELDS = ("prompt", "echo", "logprobs", *_COMMON_FIELDS)
+_CHAT_FIELDS = ("messages", "max_completion_tokens", "logprobs", "top_logprobs", *_COMMON_FIELDS)
+#: OpenAI fields this server does not implement: accepted only at these "off" values; any other
+#: value is a 400 naming the field and the feature (field: (off values, feature))
+_COMPLETION_UNSUPPORTED = {
+    "best_of": ((None, 1), "best_of (server-side ranking of several completions; use n)"),
+    "suffix": ((None, ""), "suffix (text insertion after the completion)"),
+}
+_TOOLS = "tool and function calling"
+_CHAT_UNSUPPORTED = {
+    "tools": ((None, []), _TOOLS),
+    "tool_choice": ((None, "none"), _TOOLS),
+    "parallel_tool_calls": ((None, True, False), _TOOLS),
+    "functions": ((None, []), _TOOLS),
+    "function_call": ((None, "none"), _TOOLS),
+    "response_format": ((None, {"type": "text"}), "structured outputs (JSON mode, json_schema)"),
+    "audio": ((None,), "audio output"),
+    "modalities": ((None, ["text"]), "output modalities other than text"),
+    "prediction": ((None,), "predicted outputs"),
+    "web_search_options": ((None,), "web search"),
+    "reasoning_effort": ((None,), "reasoning effort"),
+    "store": ((None, False), "stored completions"),
+    "metadata": ((None, {}), "stored completions' metadata"),
+    "service_tier": ((None, "auto", "default"), "service tiers"),
+}
 #: nesting a body may have: any body this API accepts needs 4 (chat content parts), and values
 #: well below Python's recursion limit keep code that recurses over them (repr, in error
 #: messages) from overflowing
@@ -90,39 +112,69 @@ def parse_json(body: bytes) -> Any:
 class GenerateRequest:
     """A checked completion or chat request: what the engine needs, plus how to answer.
 
-    ``prompt`` is a str, token ids, or chat messages (the engine renders those with the chat
-    template and the assistant prompt). ``model`` is None when the body named none.
+    ``prompts`` holds one prompt per engine request, each a str, token ids, or chat messages (the
+    engine renders those with the chat template and the assistant prompt): chat has one, a
+    completions batch one per prompt (choice ``i * n + j`` is completion ``j`` of prompt ``i``).
+    ``model`` is None when the body named none; ``echo`` prepends each prompt's text to its
+    choices (completions only).
     """
 
-    prompt: Any
+    prompts: tuple[Any, ...]
     params: SamplingParams
     cache_salt: str | None
     model: str | None
     stream: bool
     include_usage: bool
+    echo: bool = False
+
+    @property
+    def prompt(self) -> Any:
+        """The first (for chat, the only) prompt."""
+        return self.prompts[0]
 
 
 def parse_completion(body: Any) -> GenerateRequest:
-    """A ``POST /v1/completions`` body: ``prompt`` is one str or one list of token ids."""
+    """A ``POST /v1/completions`` body: ``prompt`` is a str, a list of token ids, or a batch (a
+    list of strings or a list of token-id lists); ``logprobs`` is an integer (the top tokens per
+    token, OpenAI's legacy shape)."""
     body = _object(body)
-    _check_fields(body, _COMPLETION_FIELDS)
-    prompt = body.get("prompt")
-    # NOTE: OpenAI also takes a batch (a list of prompts); a one-element batch is one prompt.
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-        prompt = prompt[0]
-    if not (isinstance(prompt, str) and prompt) and not _is_token_ids(prompt):
-        raise APIError(f"prompt must be a non-empty string or a non-empty list of token ids, got "
-                       f"{describe_value(prompt)}; send one request per prompt", param="prompt")
-    return _generate_request(body, prompt, body.get("max_tokens"), DEFAULT_MAX_TOKENS)
+    _check_fields(body, _COMPLETION_FIELDS, _COMPLETION_UNSUPPORTED)
+    prompts = _completion_prompts(body.get("prompt"))
+    echo = _bool(body, "echo")
+    logprobs = body.get("logprobs")
+    if logprobs is False:  # NOTE: some clients send the chat API's boolean "off"
+        logprobs = None
+    if logprobs is not None and (not _is_count(logprobs) or logprobs > MAX_LOGPROBS):
+        raise APIError(f"logprobs must be null or an integer in [0, {MAX_LOGPROBS}] (the most likely "
+                       f"tokens to list per generated token), got {describe_value(logprobs)}",
+                       param="logprobs")
+    if echo and logprobs is not None:
+        raise APIError("echo with logprobs asks for the prompt's log-probabilities, which this server "
+                       "does not compute (the engine keeps the logits of the last prompt token only, "
+                       "and reuses cached prefixes without computing them); send echo or logprobs, "
+                       "not both", param="echo")
+    request = _generate_request(body, prompts, body.get("max_tokens"), DEFAULT_MAX_TOKENS,
+                                logprobs=logprobs)
+    return dataclasses.replace(request, echo=echo)
 
 
 def parse_chat(body: Any) -> GenerateRequest:
-    """A ``POST /v1/chat/completions`` body: ``messages`` with text content."""
+    """A ``POST /v1/chat/completions`` body: ``messages`` with text content; ``logprobs: true``
+    with ``top_logprobs: k`` asks for log-probabilities (OpenAI's chat shape)."""
     body = _object(body)
-    _check_fields(body, _CHAT_FIELDS)
+    _check_fields(body, _CHAT_FIELDS, _CHAT_UNSUPPORTED)
     messages = parse_messages(body.get("messages"))
     max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
-    return _generate_request(body, messages, max_tokens, DEFAULT_CHAT_MAX_TOKENS)
+    wants_logprobs = _bool(body, "logprobs")
+    top = body.get("top_logprobs")
+    if top is not None and (not _is_count(top) or top > MAX_LOGPROBS):
+        raise APIError(f"top_logprobs must be null or an integer in [0, {MAX_LOGPROBS}], got "
+                       f"{describe_value(top)}", param="top_logprobs")
+    if top and not wants_logprobs:
+        raise APIError(f"top_logprobs={top} needs logprobs: true; send both, or leave top_logprobs out",
+                       param="top_logprobs")
+    return _generate_request(body, (messages,), max_tokens, DEFAULT_CHAT_MAX_TOKENS,
+                             logprobs=(top or 0) if wants_logprobs else None)
 
 
 def parse_prefix(body: Any, *, with_pin: bool) -> tuple[Any, str | None, bool]:
@@ -158,6 +210,13 @@ def parse_messages(messages: Any) -> list[dict[str, str]]:
         if not isinstance(message, Mapping) or not isinstance(message.get("role"), str):
             raise APIError(f"messages[{i}] must be an object with a string role, got "
                            f"{describe_value(message)}", param=f"messages[{i}]")
+        if message["role"] in ("tool", "function"):
+            raise APIError(f"messages[{i}].role={message['role']!r}: {_TOOLS} is not supported by this "
+                           "server; send system, user and assistant messages", param=f"messages[{i}].role")
+        for key in ("tool_calls", "function_call"):
+            if message.get(key):
+                raise APIError(f"messages[{i}].{key}: {_TOOLS} is not supported by this server; send "
+                               "the assistant's text as content", param=f"messages[{i}].{key}")
         content = message.get("content")
         if isinstance(content, list):
             if not all(isinstance(p, Mapping) and p.get("type") == "text"
@@ -174,18 +233,18 @@ def parse_messages(messages: Any) -> list[dict[str, str]]:
 
 
 # -- helpers ---------------------------------------------------------------------------------
-def _generate_request(body: Mapping, prompt: Any, max_tokens: Any, default_max_tokens: int
-                      ) -> GenerateRequest:
+def _generate_request(body: Mapping, prompts: Any, max_tokens: Any, default_max_tokens: int, *,
+                      logprobs: int | None) -> GenerateRequest:
     model = body.get("model")
     if model is not None and not isinstance(model, str):
         raise APIError(f"model must be a string, got {describe_value(model)}; see GET /v1/models",
                        param="model")
-    stream = body.get("stream", False)
-    if stream is None:
-        stream = False
-    if not isinstance(stream, bool):
-        raise APIError(f"stream must be true or false, got {describe_value(stream)}", param="stream")
-    options = body.get("stream_options") or {}
+    stream = _bool(body, "stream")
+    options = body.get("stream_options")
+    if options is not None and not stream:
+        raise APIError("stream_options applies to streamed answers only; send stream: true with it, "
+                       "or leave it out", param="stream_options")
+    options = options or {}
     if not isinstance(options, Mapping) or set(options) - {"include_usage"}:
         raise APIError(f"stream_options must be {{'include_usage': bool}}, got {describe_value(options)}",
                        param="stream_options")
@@ -195,13 +254,70 @@ def _generate_request(body: Mapping, prompt: Any, max_tokens: Any, default_max_t
                        f"{describe_value(include_usage)}", param="stream_options")
     fields = {k: body[k] for k in _SAMPLING_FIELDS if body.get(k) is not None}
     fields["max_tokens"] = default_max_tokens if max_tokens is None else max_tokens
+    if body.get("logit_bias") is not None:
+        fields["logit_bias"] = _logit_bias(body["logit_bias"])
+    if logprobs is not None:
+        fields["logprobs"] = logprobs
     try:
         params = SamplingParams(**fields)
     except (TypeError, ValueError) as e:
         # NOTE: the message names SamplingParams.<field>; the field is also the body's name.
         param = next((k for k in fields if f"SamplingParams.{k} " in str(e)), None)
         raise APIError(str(e), param=param) from e
-    return GenerateRequest(prompt, params, _salt(body), model, stream, include_usage)
+    return GenerateRequest(tuple(prompts), params, _salt(body), model, stream, include_usage)
+
+
+def _completion_prompts(prompt: Any) -> list[Any]:
+    """The prompts of a completions body: a str, a list of token ids, a list of strings, or a list
+    of token-id lists (OpenAI's four shapes)."""
+    shapes = ("a non-empty string, a list of token ids, or a batch of up to "
+              f"{MAX_NUM_PROMPTS} prompts (a list of strings or a list of token-id lists)")
+    if (isinstance(prompt, str) and prompt) or _is_token_ids(prompt):
+        return [prompt]
+    if not isinstance(prompt, list) or not prompt:
+        raise APIError(f"prompt must be {shapes}, got {describe_value(prompt)}", param="prompt")
+    if len(prompt) > MAX_NUM_PROMPTS:
+        raise APIError(f"prompt is a batch of {len(prompt)} prompts, more than {MAX_NUM_PROMPTS}; "
+                       "send the rest in further requests", param="prompt")
+    kind = str if isinstance(prompt[0], str) else list
+    for i, item in enumerate(prompt):
+        if kind is str and not (isinstance(item, str) and item):
+            raise APIError(f"prompt[{i}] must be a non-empty string like the batch's first prompt, got "
+                           f"{describe_value(item)}", param="prompt")
+        if kind is list and not _is_token_ids(item):
+            raise APIError(f"prompt[{i}] must be a non-empty list of token ids (integers >= 0) in a "
+                           f"batch of token-id lists, got {describe_value(item)}; prompt must be "
+                           f"{shapes}", param="prompt")
+    return list(prompt)
+
+
+def _logit_bias(bias: Any) -> dict[int, Any]:
+    """OpenAI's ``logit_bias`` (token ids as JSON's string keys) with integer keys; the values are
+    checked by :class:`SamplingParams`."""
+    if not isinstance(bias, Mapping):
+        raise APIError(f"logit_bias must be an object mapping token ids to biases in [-100, 100], got "
+                       f"{describe_value(bias)}; send e.g. {{\"50256\": -100}}", param="logit_bias")
+    converted = {}
+    for key, value in bias.items():
+        if not (isinstance(key, str) and key.isdecimal() and key.isascii()):
+            raise APIError(f"logit_bias keys must be token ids (decimal integers >= 0), got "
+                           f"{describe_value(key)}; send e.g. {{\"50256\": -100}}", param="logit_bias")
+        converted[int(key)] = value
+    return converted
+
+
+def _bool(body: Mapping, name: str) -> bool:
+    """An optional boolean field (null or absent: false)."""
+    value = body.get(name)
+    if value is None:
+        return False
+    if not isinstance(value, bool):
+        raise APIError(f"{name} must be true or false, got {describe_value(value)}", param=name)
+    return value
+
+
+def _is_count(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
 def _object(body: Any) -> Mapping:
@@ -210,14 +326,18 @@ def _object(body: Any) -> Mapping:
     return body
 
 
-def _check_fields(body: Mapping, known: tuple[str, ...]) -> None:
+def _check_fields(body: Mapping, known: tuple[str, ...],
+                  unsupported: Mapping[str, tuple[tuple, str]] | None = None) -> None:
+    unsupported = unsupported or {}
     for key, value in body.items():
         if key in known:
             continue
-        if key in _OFF_VALUES:
-            if value not in _OFF_VALUES[key]:
-                raise APIError(f"{key}={describe_value(value)} is not supported by this server; leave it "
-                               f"out (or send {_OFF_VALUES[key][-1]!r})", param=key)
+        if key in unsupported:
+            off_values, feature = unsupported[key]
+            # NOTE: by type too: True == 1 and 0 == False, but best_of=true is no "off"
+            if not any(type(value) is type(off) and value == off for off in off_values):
+                raise APIError(f"{key}={describe_value(value)}: {feature} is not supported by this "
+                               f"server; leave {key} out (or send {off_values[-1]!r})", param=key)
             continue
         raise APIError(f"unknown field {key!r}{did_you_mean(str(key), known)} (known fields: "
                        f"{', '.join(known)})", param=key)

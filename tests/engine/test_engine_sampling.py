@@ -60,6 +60,30 @@ def counts(token_ids, vocab_size):
                         "ignore_eos=False"),
     ({"n": 0}, "SamplingParams.n must be an integer >= 1, got 0; pass the number of completions "
                "wanted per prompt, e.g. n=1"),
+    ({"presence_penalty": 2.5}, "SamplingParams.presence_penalty must be a number in [-2, 2], got 2.5; "
+                                "use 0 to disable it or e.g. presence_penalty=0.5 (negative values "
+                                "encourage repeats)"),
+    ({"frequency_penalty": math.inf}, "SamplingParams.frequency_penalty must be a number in [-2, 2], "
+                                      "got inf; use 0 to disable it or e.g. frequency_penalty=0.5 "
+                                      "(negative values encourage repeats)"),
+    ({"repetition_penalty": 0.0}, "SamplingParams.repetition_penalty must be a finite number > 0, got "
+                                  "0.0; use 1.0 to disable it or e.g. repetition_penalty=1.2 (< 1 "
+                                  "encourages repeats)"),
+    ({"logit_bias": {3: 101}}, "SamplingParams.logit_bias must be a mapping of token ids to biases in "
+                               "[-100, 100], got {3: 101}; pass e.g. logit_bias={50256: -100} (token "
+                               "id to a bias in [-100, 100]), or {} for none"),
+    ({"logit_bias": {"3": 1}}, "SamplingParams.logit_bias must be a mapping of token ids (integers >= "
+                               "0) to biases, got {'3': 1}; pass e.g. logit_bias={50256: -100} (token "
+                               "id to a bias in [-100, 100]), or {} for none"),
+    ({"logit_bias": [(3, 1), (3, 2)]}, "SamplingParams.logit_bias must be a mapping with each token id "
+                                       "once, got [(3, 1), (3, 2)]; pass e.g. logit_bias={50256: -100} "
+                                       "(token id to a bias in [-100, 100]), or {} for none"),
+    ({"min_tokens": 17}, "SamplingParams.min_tokens must be an integer in [0, max_tokens=16], got 17; "
+                         "use 0 to let the model stop at once, or raise max_tokens"),
+    ({"logprobs": 21}, "SamplingParams.logprobs must be None or an integer in [0, 20], got 21; use "
+                       "None for none, 0 for the sampled token's only, or e.g. logprobs=5"),
+    ({"logprobs": True}, "SamplingParams.logprobs must be None or an integer in [0, 20], got True; use "
+                         "None for none, 0 for the sampled token's only, or e.g. logprobs=5"),
 ])
 def test_invalid_sampling_params_raise_a_message_naming_field_value_and_fix(kwargs, message):
     with pytest.raises(SamplingParamsError) as excinfo:
@@ -75,6 +99,17 @@ def test_sampling_params_is_the_public_name_and_normalises_sequences():
     assert corekv.SamplingParams is SamplingParams
     with pytest.raises(dataclasses.FrozenInstanceError):
         params.temperature = 0.0
+
+
+def test_logit_bias_is_kept_as_sorted_pairs_and_processors_are_flagged():
+    params = SamplingParams(logit_bias={9: -1, 2: 0.5})
+    assert params.logit_bias == ((2, 0.5), (9, -1.0)) and dict(params.logit_bias) == {2: 0.5, 9: -1.0}
+    assert params.has_logits_processors
+    assert hash(params) == hash(SamplingParams(logit_bias=[(2, 0.5), (9, -1)]))
+    assert not SamplingParams(logprobs=5, temperature=0).has_logits_processors
+    for kwargs in ({"min_tokens": 1}, {"presence_penalty": 0.1}, {"frequency_penalty": -0.1},
+                   {"repetition_penalty": 1.1}):
+        assert SamplingParams(**kwargs).has_logits_processors, kwargs
 
 
 def test_is_greedy_means_temperature_zero():

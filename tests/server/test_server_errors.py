@@ -34,7 +34,19 @@ def error_of(response: httpx.Response) -> dict:
     ("stop", [""], "stop"),
     ("stream", "yes", "stream"),
     ("cache_salt", 5, "cache_salt"),
-    ("logprobs", 3, "not supported"),
+    ("logprobs", 21, "logprobs must be null or an integer in [0, 20]"),
+    ("logprobs", True, "logprobs must be null or an integer"),
+    ("echo", "yes", "echo must be true or false"),
+    ("presence_penalty", 3, "SamplingParams.presence_penalty must be a number in [-2, 2]"),
+    ("frequency_penalty", "x", "SamplingParams.frequency_penalty"),
+    ("repetition_penalty", 0, "SamplingParams.repetition_penalty must be a finite number > 0"),
+    ("min_tokens", 99, "SamplingParams.min_tokens must be an integer in [0, max_tokens=16]"),
+    ("logit_bias", {"x": 1}, "logit_bias keys must be token ids"),
+    ("logit_bias", {"5": 101}, "biases in [-100, 100], got {5: 101}"),
+    ("logit_bias", [1, 2], "logit_bias must be an object"),
+    ("stream_options", {"include_usage": True}, "send stream: true with it"),
+    ("best_of", 3, "best_of (server-side ranking of several completions; use n) is not supported"),
+    ("suffix", "tail", "suffix (text insertion after the completion) is not supported"),
     ("max_token", 3, "did you mean 'max_tokens'"),
 ])
 def test_a_bad_field_is_a_400_naming_it(server, field, value, words):
@@ -67,7 +79,11 @@ def test_a_body_that_is_not_a_json_object_is_a_400(server, content):
 
 @pytest.mark.parametrize("body, param", [
     ({"prompt": ""}, "prompt"),
-    ({"prompt": ["a", "b"]}, "prompt"),
+    ({"prompt": ["a", ""]}, "prompt"),
+    ({"prompt": ["a", [1, 2]]}, "prompt"),
+    ({"prompt": [[1, 2], []]}, "prompt"),
+    ({"prompt": [[1, 2], "a"]}, "prompt"),
+    ({"prompt": ["a"] * 1025}, "prompt"),
     ({"prompt": [1, -2]}, "prompt"),
     ({}, "prompt"),
 ])
