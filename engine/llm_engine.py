@@ -37,8 +37,11 @@ from corekv.engine.streaming import TextStream
 from corekv.engine.sampling import Sampler, SamplingParams, make_generator
 from corekv.engine.scheduler import ScheduledSeq, Scheduler
 from corekv.engine.sequence import Sequence
-from corekv.engine.requests import (Request, RequestRejectedError, as_prompt_list, check_prompt_chars,
-                                    check_request_fits, make_output, max_prompt_chars, per_prompt)
+from corekv.engine.logits_processors import apply_logits_processors
+from corekv.engine.logprobs import token_logprobs
+from corekv.engine.requests import (Request, RequestRejectedError, as_prompt_list, check_logit_bias,
+                                    check_prompt_chars, check_request_fits, make_output,
+                                    max_prompt_chars, per_prompt)
 
 __all__ = ["Engine", "RequestRejectedError"]
 
@@ -394,6 +397,7 @@ class Engine:
         token_ids = self.encode(prompt) if prompt_token_ids is None else prompt_token_ids
         if not token_ids:
             raise RequestRejectedError(f"prompt {prompt!r} encodes to no tokens; pass a non-empty prompt")
+        check_logit_bias(params, self.model.vocab_size)
         check_request_fits(len(token_ids), params, num_blocks=self.backend.num_blocks,
                            num_pinned_blocks=self.backend.num_pinned_blocks, block_size=self.block_size,
                            max_model_len=self.max_model_len,
@@ -430,7 +434,16 @@ class Engine:
         # which copies the whole [batch, vocab] logits.
         if rows != list(range(logits.shape[0])):
             logits = logits[rows]
-        return self.sampler(logits, [s.params for s in seqs], [s.generator for s in seqs])
+        params = [s.params for s in seqs]
+        # NOTE: the sampler draws from the processed logits; logprobs are of the raw ones (vLLM's default)
+        processed = apply_logits_processors(logits, params, [s.token_ids for s in seqs],
+                                            [s.num_prompt_tokens for s in seqs], self.model.eos_token_ids)
+        token_ids = self.sampler(processed, params, [s.generator for s in seqs])
+        if any(p.logprobs is not None for p in params):
+            for seq, logprobs in zip(seqs, token_logprobs(logits, token_ids, [p.logprobs for p in params])):
+                if logprobs is not None:
+                    seq.output_logprobs.append(logprobs)
+        return token_ids
 
     @staticmethod
     def _chunk(item: ScheduledSeq) -> ScheduledChunk:
