@@ -15,8 +15,8 @@ from hypothesis import strategies as st
 
 import corekv
 from corekv.config import (
-    CacheConfig, Config, EngineConfig, IntegrityConfig, PinnedPrefix, TierConfig, config_reference, dump_config,
-    load_config,
+    CacheConfig, Config, EngineConfig, IntegrityConfig, PinnedPrefix, SpeculativeConfig, TierConfig, config_reference,
+    dump_config, load_config,
 )
 from corekv.config.values import format_size, parse_size
 from corekv.plugin import BackendSpec, Option, TierSpec, hookimpl, make_plugin_manager
@@ -75,7 +75,7 @@ MESSAGES = [
     ({"engine": {"blok_size": 16}},
      "engine.blok_size: unknown key (value 16); did you mean 'block_size'? Valid keys: block_size, "
      "kv_cache_memory, num_blocks, max_num_seqs, max_num_batched_tokens, scheduling, preemption, "
-     "enable_prefix_caching, enable_chunked_prefill, compile, tune_cpu_malloc"),
+     "enable_prefix_caching, enable_chunked_prefill, compile, tune_cpu_malloc, speculative"),
     ({"modle": "x"},
      "modle: unknown key (value 'x'); did you mean 'model'? Valid keys: model, dtype, device, "
      "engine, cache, kv_events, plugins"),
@@ -138,7 +138,7 @@ MESSAGES = [
      "cache.pinned[0].chat: got true with token_ids; expected chat: true only with text (token ids "
      "are used as given)"),
     ({"engine": []}, "engine: got []; expected a mapping with keys block_size, kv_cache_memory, "
-     "num_blocks, max_num_seqs, max_num_batched_tokens, scheduling, preemption, enable_prefix_caching, enable_chunked_prefill, compile, tune_cpu_malloc"),
+     "num_blocks, max_num_seqs, max_num_batched_tokens, scheduling, preemption, enable_prefix_caching, enable_chunked_prefill, compile, tune_cpu_malloc, speculative"),
 ]
 
 
@@ -432,9 +432,9 @@ def test_reference_has_a_row_per_field_with_help_and_defaults(pm):
     assert text.startswith("| Field | Accepts | Default | Description |\n|---|---|---|---|\n")
 
     def paths(cls, prefix=""):
-        sections = ("engine", "cache", "integrity")
-        nested = {"engine": EngineConfig, "cache": CacheConfig,
-                  "pinned": PinnedPrefix, "tiers": TierConfig, "integrity": IntegrityConfig}
+        sections = ("engine", "cache", "integrity", "speculative")
+        nested = {"engine": EngineConfig, "cache": CacheConfig, "pinned": PinnedPrefix, "tiers": TierConfig,
+                  "integrity": IntegrityConfig, "speculative": SpeculativeConfig}
         for f in dataclasses.fields(cls):
             if f.name == "sections":
                 continue  # the plugins' sections: test_reference_has_a_row_per_option_of_every_plugin_section

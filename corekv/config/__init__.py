@@ -23,7 +23,7 @@ from corekv.config.dump import dump_config
 from corekv.config.reader import ConfigReader
 from corekv.config.reference import config_reference
 from corekv.config.schema import (
-    CacheConfig, Config, EngineConfig, IntegrityConfig, PinnedPrefix, Section, TierConfig,
+    CacheConfig, Config, EngineConfig, IntegrityConfig, PinnedPrefix, Section, SpeculativeConfig, TierConfig,
 )
 from corekv.config.sources import CONFIG_ENV, ENV_PREFIX, load_config, read_config
 
@@ -37,6 +37,7 @@ __all__ = [
     "IntegrityConfig",
     "PinnedPrefix",
     "Section",
+    "SpeculativeConfig",
     "TierConfig",
     "config_reference",
     "dump_config",

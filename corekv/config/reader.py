@@ -13,8 +13,8 @@ from dataclasses import Field, fields, is_dataclass
 from typing import Any
 
 from corekv.config.schema import (
-    CORE_KEYS, CacheConfig, Config, EngineConfig, PinnedPrefix, Section, TierConfig, field_check,
-    field_types, top_level_keys,
+    CORE_KEYS, CacheConfig, Config, EngineConfig, PinnedPrefix, Section, SpeculativeConfig, TierConfig,
+    field_check, field_types, top_level_keys,
 )
 from corekv.config.values import Check, describe_value, did_you_mean, parse_size
 from corekv.errors import ConfigError, PluginError
@@ -131,6 +131,8 @@ class ConfigReader:
                                  "set; expected a pool size such as 256MiB, or num_blocks: N")
         if cls is PinnedPrefix:
             self.check_pinned(kwargs, path)
+        if cls is SpeculativeConfig:
+            self.check_speculative(kwargs, path)
         return cls(**kwargs)
 
     def fields_of(self, cls: type, raw: Any, path: str, skip: tuple[str, ...] = ()) -> dict:
@@ -268,6 +270,32 @@ class ConfigReader:
             raise self.error(_join(path, "chat"), "got true with token_ids; expected chat: true "
                              "only with text (token ids are used as given)")
 
+    def check_speculative(self, kwargs: dict, path: str) -> None:
+        """The fields given belong to the method chosen: a draft model only with ``draft``, the
+        n-gram window only with ``ngram`` (and its minimum at most its maximum).
+
+        NOTE: a field at its default counts as not given, so a dumped config reads back."""
+        method = kwargs.get("method")
+        given = [name for name in kwargs if name != "method" and kwargs[name] != _default(SpeculativeConfig, name)]
+        if method is None and given:
+            raise self.error(_join(path, "method"), f"missing, and {', '.join(given)} given; expected "
+                             "method: ngram or method: draft (leave engine.speculative out to keep it off)")
+        if method == "draft" and kwargs.get("model") is None:
+            raise self.error(_join(path, "model"), "missing; expected the draft model for method: "
+                             "draft (an alias, a Hugging Face model folder or a .gguf file with the "
+                             "target's tokenizer)")
+        wrong = {"ngram": ["model"], "draft": ["prompt_lookup_min", "prompt_lookup_max"]}.get(method, [])
+        for name in wrong:
+            if name in given:
+                other = "draft" if method == "ngram" else "ngram"
+                raise self.error(_join(path, name), f"got {describe_value(kwargs[name])} with method: "
+                                 f"{method}; expected {name} only with method: {other}: remove it")
+        low = kwargs.get("prompt_lookup_min", SpeculativeConfig.prompt_lookup_min)
+        high = kwargs.get("prompt_lookup_max", SpeculativeConfig.prompt_lookup_max)
+        if low > high:
+            raise self.error(_join(path, "prompt_lookup_min"), f"got {low}, more than prompt_lookup_max "
+                             f"{high}; expected prompt_lookup_min <= prompt_lookup_max")
+
     def check_preemption(self, config: Config) -> None:
         """``engine.preemption: swap`` parks preempted sequences' KV in a host tier, so
         ``cache.tiers`` must have one (whether it starts is the engine's to find out)."""
@@ -289,6 +317,10 @@ class ConfigReader:
 
 def _field(cls: type, name: str) -> Field:
     return next(f for f in fields(cls) if f.name == name)
+
+
+def _default(cls: type, name: str) -> Any:
+    return _field(cls, name).default
 
 
 def _join(path: str, key: str) -> str:

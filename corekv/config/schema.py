@@ -26,6 +26,31 @@ def _field(default: Any = MISSING, help: str = "", *, factory: Any = MISSING, **
 
 
 @dataclass(frozen=True)
+class SpeculativeConfig:
+    """``engine.speculative``: propose a few tokens per decoding sequence and let the model verify
+    them in one forward (off while ``method`` is unset). The reader checks that the fields given
+    belong to the method chosen."""
+
+    method: str | None = _field(None, "how drafts are proposed: ngram (the tokens that followed the "
+                                "last earlier occurrence of the sequence's newest tokens: pays on "
+                                "output that copies its input, such as edits and summaries) or draft "
+                                "(a smaller model with the same tokenizer, greedy); unset: off",
+                                choices=("ngram", "draft"))
+    num_speculative_tokens: int = _field(4, "most draft tokens verified per sequence and step",
+                                         minimum=1, maximum=16)
+    prompt_lookup_min: int = _field(2, "ngram: the shortest n-gram of the newest tokens looked up",
+                                    minimum=1)
+    prompt_lookup_max: int = _field(5, "ngram: the longest n-gram looked up (the longest that occurs "
+                                    "earlier wins)", minimum=1)
+    model: str | None = _field(None, "draft: the draft model (an alias, a Hugging Face model folder "
+                               "or a .gguf file), loaded with the engine's dtype and device")
+    adaptive: bool = _field(True, "give each sequence the drafts that pay for their verification, "
+                            "from its recent acceptance rate and the measured cost of a step per token "
+                            "(off on large batches whose drafts are rarely accepted); false: always "
+                            "num_speculative_tokens where the proposer has them")
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     """The engine's pool and scheduler. Exactly one of ``kv_cache_memory`` / ``num_blocks`` is
     set after loading: ``num_blocks`` wins when given (and ``kv_cache_memory`` becomes ``None``)."""
@@ -54,6 +79,8 @@ class EngineConfig:
     tune_cpu_malloc: bool = _field(True, "on a CPU device with glibc: keep freed activation "
                                    "buffers in the heap (mallopt) instead of page-faulting them in "
                                    "again every layer; off: leave the process's malloc as it is")
+    speculative: SpeculativeConfig = _field(help="speculative decoding (off by default)",
+                                            factory=SpeculativeConfig)
 
 
 @dataclass(frozen=True)
