@@ -101,11 +101,17 @@ class WorkerSide:
                 logger.warning("corekv connector: %d of %d blocks of request %s did not load (entry rejected "
                                "or gone); vLLM recomputes them", len(failed), len(load.block_ids), load.req_id)
 
-    def save(self, plan: StepPlan) -> None:
+    def save(self, plan: StepPlan, *, wait: bool = False) -> None:
+        """Offer ``plan``'s blocks to the tiers; ``wait``: write them all now (the queue bound
+        kept by batches, none skipped), as at shutdown."""
         for save in plan.saves:
             if self.offload is not None:
                 hashes = self._key(save.token_ids, save.namespace).block_hashes
-                self.offload.evicted([EvictedBlock(hashes[i], b) for i, b in zip(save.indices, save.block_ids)])
+                pairs = [(hashes[i], b) for i, b in zip(save.indices, save.block_ids)]
+                if wait:
+                    self.offload.flush(pairs)
+                else:
+                    self.offload.evicted([EvictedBlock(h, b) for h, b in pairs])
                 self.counters["saved_blocks"] += len(save.indices)
             if save.finished:
                 self._saved_requests.add(save.req_id)
@@ -131,7 +137,7 @@ class WorkerSide:
         if self.offload is not None:
             for scheduler in local_schedulers():
                 if scheduler.settings.store_key == self.settings.store_key:
-                    self.save(scheduler.unsent_saves())
+                    self.save(scheduler.unsent_saves(), wait=True)
             self.offload.close()
             self.offload = None
             release_tiers(self.settings)
