@@ -17,12 +17,13 @@ import itertools
 import logging
 import os
 import sys
+import time
 from collections.abc import Iterator, Mapping
 from typing import Any
 
 from corekv.config import Config
 from corekv.errors import ConfigError, CoreKVError, describe_exception
-from corekv.engine.cpu.native import NativeBuildError
+from corekv.engine.cpu.native import NativeBuildError, wants_native_kernels
 from corekv.hashing import PrefixKey, chain_seed
 from corekv.offload import make_offload
 from corekv.plugin import make_plugin_manager
@@ -34,6 +35,7 @@ from corekv.engine.model_runner import ModelRunner, ScheduledChunk
 from corekv.engine.models import LoadedModel, load_model
 from corekv.engine.outputs import RequestOutput
 from corekv.engine.streaming import TextStream
+from corekv.engine.spec_decode import STATS_OFF as SPECULATIVE_OFF, make_speculative_decoder
 from corekv.engine.sampling import Sampler, SamplingParams, make_generator
 from corekv.engine.scheduler import ScheduledSeq, Scheduler
 from corekv.engine.sequence import Sequence
@@ -87,9 +89,10 @@ class Engine:
             dtype=str(m.dtype).removeprefix("torch."), kv_pool=self.kv_pool, backend=self.backend,
             swap=ecfg.preemption == "swap")
         try:
-            self.runner = ModelRunner(m, self.kv_pool, compile=ecfg.compile)
+            native = wants_native_kernels(ecfg.cpu_kernels, m.device, m.dtype)
+            self.runner = ModelRunner(m, self.kv_pool, compile=ecfg.compile, native=native)
         except NativeBuildError as exc:
-            raise ConfigError(f"engine.compile: {exc}, or set engine.compile: false") from exc
+            raise ConfigError(f"engine.cpu_kernels: {exc}, or set engine.cpu_kernels: auto or torch") from exc
         if ecfg.compile:
             try:
                 self.runner.warm_up()  # NOTE: before any KV is cached: it writes into the first blocks
@@ -107,6 +110,10 @@ class Engine:
                                    scheduling=ecfg.scheduling, enable_chunked_prefill=self.enable_chunked_prefill,
                                    eos_token_ids=m.eos_token_ids, make_fork=self._fork)
         self.max_model_len = getattr(m.hf_config, "max_position_embeddings", None)
+        #: the speculative decoder (engine.speculative), or None while it is off
+        self.speculative = make_speculative_decoder(ecfg.speculative, m, target_name=config.model, num_blocks=num_blocks,
+                                                    block_size=self.block_size, max_num_seqs=ecfg.max_num_seqs,
+                                                    plugin_manager=self.plugin_manager)
         #: prompts with more characters can never fit (see requests.max_prompt_chars); None: no bound
         self.max_prompt_chars = max_prompt_chars(
             min(num_blocks * self.block_size, self.max_model_len or num_blocks * self.block_size), m.tokenizer)
@@ -181,10 +188,20 @@ class Engine:
         return unclaimed + self._step()
 
     def _step(self) -> list[RequestOutput]:
+        if self.speculative is not None:
+            self.speculative.propose(self.scheduler.running, self.config.engine.max_num_batched_tokens)
         batch = self.scheduler.schedule()
+        started = time.perf_counter()
         logits = self.runner.execute([self._chunk(item) for item in batch]) if batch else None
         seqs, rows = self.scheduler.advance(batch)
-        token_ids = self._sample(logits, seqs, rows)
+        if any(item.draft_token_ids for item in batch):
+            token_ids = self.speculative.verify(logits, [item.draft_token_ids for item in batch], seqs, rows,
+                                                self._sample)
+        else:
+            token_ids = self._sample(logits, seqs, rows)
+        if self.speculative is not None and batch:  # NOTE: after sampling, which waits for the device
+            self.speculative.observe_step(sum(i.num_tokens + len(i.draft_token_ids) for i in batch),
+                                          time.perf_counter() - started)
         finished = self.scheduler.postprocess(seqs, token_ids)
         self.num_steps += bool(batch)
         return self._after_step(finished)
@@ -354,6 +371,7 @@ class Engine:
             "tiers": self.offload.stats() if self.offload is not None else {},
             "tiers_not_started": dict(self.tiers_not_started),
             "prefetch": self.offload.prefetch_stats() if self.offload is not None else {},
+            "speculative": self.speculative.stats() if self.speculative is not None else dict(SPECULATIVE_OFF),
         }
 
     # -- helpers -----------------------------------------------------------------------------
@@ -447,9 +465,11 @@ class Engine:
 
     @staticmethod
     def _chunk(item: ScheduledSeq) -> ScheduledChunk:
-        seq = item.seq
-        return ScheduledChunk(seq.token_ids[item.start_pos:item.start_pos + item.num_tokens],
-                              item.start_pos, seq.block_table)
+        seq, drafts = item.seq, item.draft_token_ids
+        tokens = seq.token_ids[item.start_pos:item.start_pos + item.num_tokens]
+        if drafts:  # a decode verifying its drafts: their logits rows too
+            return ScheduledChunk(tokens + list(drafts), item.start_pos, seq.block_table, num_logits=1 + len(drafts))
+        return ScheduledChunk(tokens, item.start_pos, seq.block_table)
 
     def _after_step(self, finished: list[Sequence]) -> list[RequestOutput]:
         hook = self.plugin_manager.hook

@@ -28,11 +28,13 @@ LPM_QUEUE_LIMIT = 128
 
 @dataclass(frozen=True)
 class ScheduledSeq:
-    """``num_tokens`` tokens of ``seq``, starting at ``start_pos``, run in this step."""
+    """``num_tokens`` tokens of ``seq``, starting at ``start_pos``, run in this step (a decode
+    may verify ``draft_token_ids`` after its token, see corekv.engine.spec_decode)."""
 
     seq: Sequence
     start_pos: int
     num_tokens: int
+    draft_token_ids: tuple[int, ...] = ()
 
 
 class Scheduler:
@@ -88,9 +90,10 @@ class Scheduler:
                 break
             if seq.status is not SequenceStatus.RUNNING or seq.num_uncomputed_tokens != 1:
                 continue
-            if self._make_room_for_decode(seq):
-                batch.append(ScheduledSeq(seq, seq.num_computed_tokens, 1))
-                budget -= 1
+            drafts = self._lookahead(seq, budget)
+            if drafts or self._make_room_for_decode(seq):
+                batch.append(ScheduledSeq(seq, seq.num_computed_tokens, 1, drafts))
+                budget -= 1 + len(drafts)
         for seq in self.running:  # then prompts already being prefilled
             if budget > 0 and seq.num_uncomputed_tokens > 1:
                 num_tokens = min(seq.num_uncomputed_tokens, budget)
@@ -155,13 +158,20 @@ class Scheduler:
             seq.num_pending_forks = 0
         return seqs, rows
 
-    def postprocess(self, seqs: SequenceABC[Sequence], token_ids: SequenceABC[int]) -> list[Sequence]:
-        """Append each sampled token; finish the sequences that stop. Returns the finished ones."""
+    def postprocess(self, seqs: SequenceABC[Sequence], token_ids: SequenceABC[int | list[int]]) -> list[Sequence]:
+        """Append each sampled token (after a speculative verification: each accepted draft, then
+        the target's token); finish the sequences that stop. Returns the finished ones."""
         finished, self._finished_unstepped = self._finished_unstepped, []
-        for seq, token_id in zip(seqs, token_ids, strict=True):
-            seq.append_token(token_id)
-            self.num_output_tokens += 1
-            reason = seq.check_stop(self.eos_token_ids)
+        for seq, new in zip(seqs, token_ids, strict=True):
+            reason = None
+            for num_appended, token_id in enumerate((new,) if isinstance(new, int) else new, 1):
+                seq.append_token(token_id)
+                self.num_output_tokens += 1
+                reason = seq.check_stop(self.eos_token_ids)
+                if reason is not None:
+                    break
+            if not isinstance(new, int):  # NOTE: before _finish frees the blocks they fill
+                self._accept_drafts(seq, num_appended - 1)
             if reason is not None:
                 self._finish(seq, reason)
                 finished.append(seq)
@@ -215,6 +225,25 @@ class Scheduler:
             seq.num_cached_tokens = seq.num_computed_tokens
             self.num_prompt_tokens += seq.num_prompt_tokens
             self.num_cached_prompt_tokens += seq.num_computed_tokens
+
+    def _lookahead(self, seq: Sequence, budget: int) -> tuple[int, ...]:
+        """The drafts ``seq`` verifies this step: its proposals that fit the budget, when their
+        slots come from empty blocks while one stays free per running sequence (speculation never
+        preempts, evicts a cached prefix, nor takes a block another sequence's next token needs);
+        else none."""
+        drafts, seq.draft_token_ids = tuple(seq.draft_token_ids[:budget - 1]), []
+        if drafts and self.blocks.append_slots(seq, 1 + len(drafts), num_reserved_blocks=len(self.running)):
+            return drafts
+        return ()
+
+    def _accept_drafts(self, seq: Sequence, num_accepted: int) -> None:
+        """After a verification: the KV of the accepted drafts appended before the last token is
+        computed (their full blocks become cached), the slots of the others are not, and blocks only
+        they reached go back."""
+        seq.num_computed_tokens += num_accepted
+        self.num_computed_tokens += num_accepted
+        self.blocks.cache_full_blocks(seq)
+        self.blocks.release_lookahead(seq)
 
     def _make_room_for_decode(self, seq: Sequence) -> bool:
         """Get ``seq`` a writable slot, preempting the newest running sequences if needed."""

@@ -4,7 +4,9 @@ transformers' own ``model.generate`` token for token, whatever the engine config
 Each reference is computed once (the HF model with its SDPA attention, one prompt at a time) and
 reused by every engine configuration. Configurations cover prefix caching on/off, chunked prefill
 on/off, block sizes 16/32, all prompts at once and one at a time, and both builtin backends; the
-full 20 prompts run under two of them (one of them twice), a mixed subset under the others (CI time).
+full 20 prompts run under two of them (one of them twice), a mixed subset under the others (CI time);
+with speculative decoding (ngram, and SmolLM2 drafting for itself) all 20 at once and the subset one
+at a time.
 """
 from __future__ import annotations
 
@@ -14,7 +16,7 @@ import os
 import pytest
 import torch
 
-from corekv.config import CacheConfig, Config, EngineConfig
+from corekv.config import CacheConfig, Config, EngineConfig, SpeculativeConfig
 from corekv.engine.llm_engine import Engine
 from corekv.engine.sampling import SamplingParams
 
@@ -192,3 +194,27 @@ def test_shared_system_prompt_second_wave_computes_far_fewer_tokens(smollm2, hf_
     print(f"second wave computed {computed[True]} tokens with prefix caching, {computed[False]} without "
           f"(prompt lengths {[len(p) for p in prompts]})")
     assert computed[True] < 0.5 * computed[False]
+
+
+# -- speculative decoding ------------------------------------------------------------------------
+SPECULATIVE = {
+    "ngram": SpeculativeConfig(method="ngram", num_speculative_tokens=4, prompt_lookup_min=2, prompt_lookup_max=4),
+    # NOTE: the engine's own model's name: SmolLM2 drafts for itself (nearly every draft accepted)
+    "draft": SpeculativeConfig(method="draft", model=Config().model, num_speculative_tokens=3),
+}
+
+
+@pytest.mark.parametrize("method", SPECULATIVE)
+def test_speculative_decoding_gives_transformers_tokens(smollm2, golden, tmp_path, method):
+    """Speculation (ngram; a draft model) with prefix caching and a host tier: the 20 prompts at
+    once, then the subset one at a time (hitting what the first pass cached)."""
+    from tier_helpers import tier_config
+
+    cfg = Config(engine=EngineConfig(num_blocks=512, max_num_batched_tokens=256, speculative=SPECULATIVE[method]),
+                 cache=CacheConfig(backend="radix", tiers=(tier_config("host", tmp_path),)))
+    with Engine(cfg, model=smollm2) as engine:
+        assert run(engine, [ids for ids, _ in golden], one_at_a_time=False) == [ref for _, ref in golden]
+        subset = [golden[i] for i in SUBSET]
+        assert run(engine, [ids for ids, _ in subset], one_at_a_time=True) == [ref for _, ref in subset]
+        stats = engine.stats()
+    assert stats["prompt_tokens_reused"] > 0 and stats["speculative"]["mean_acceptance_length"] > 1.2
