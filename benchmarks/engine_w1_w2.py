@@ -12,6 +12,11 @@ Per system and workload: total wall time, output tokens/s, mean TTFT (from the m
 submitted, every request of a wave arriving then, to that request's first token), the peak RSS
 sampled while that system ran, and whether its tokens equal sequential ``model.generate``'s.
 ``--profile`` instead profiles corekv's decode steps (see benchmarks/engine_profile.py).
+
+corekv runs with its default configuration (native CPU kernels where they build), compiled
+(``engine.compile``), and on the torch path (``engine.cpu_kernels: torch``). The CPU, torch's
+capability and the native kernels' instruction set are logged first; ``--isa avx2`` measures as on
+an AVX2 machine (a restart with torch, inductor, MKL, oneDNN and the native kernels restricted).
 """
 from __future__ import annotations
 
@@ -99,10 +104,10 @@ def waves(name, prompts):
 TUNE_CPU_MALLOC = True
 
 
-def run_corekv(loaded, wave_list, max_new, ignore_eos, prefix_caching, compile=False):
+def run_corekv(loaded, wave_list, max_new, ignore_eos, prefix_caching, compile=False, cpu_kernels="auto"):
     num_tokens = sum(len(p) + max_new for w in wave_list for p in w)
     cfg = Config(engine=EngineConfig(num_blocks=num_tokens // 16 + 64, enable_prefix_caching=prefix_caching,
-                                     compile=compile, tune_cpu_malloc=TUNE_CPU_MALLOC),
+                                     compile=compile, cpu_kernels=cpu_kernels, tune_cpu_malloc=TUNE_CPU_MALLOC),
                  cache=CacheConfig(backend="radix"))
     params = SamplingParams(max_tokens=max_new, temperature=0.0, ignore_eos=ignore_eos)
     tokens, ttfts, wave_times, computed = [], [], [], []
@@ -226,6 +231,8 @@ def bench_dtype(dtype, args, log):
                    ("corekv (prefix caching on)", lambda: run_corekv(loaded, wl_waves, max_new, ignore_eos, True), args.runs)]
         systems.append(("corekv (prefix caching on, compiled)",
                         lambda: run_corekv(loaded, wl_waves, max_new, ignore_eos, True, compile=True), args.runs))
+        systems.append(("corekv (prefix caching on, torch kernels)",
+                        lambda: run_corekv(loaded, wl_waves, max_new, ignore_eos, True, cpu_kernels="torch"), args.runs))
         if wl == "W2" or args.w1_nocache:
             systems.append(("corekv (prefix caching off)", lambda: run_corekv(loaded, wl_waves, max_new, ignore_eos, False),
                             args.nocache_w2_runs if wl == "W2" and args.nocache_w2_runs else args.runs))
@@ -235,7 +242,8 @@ def bench_dtype(dtype, args, log):
                             lambda: run_hf_cb(loaded, wl_waves, max_new, ignore_eos, not args.cb_default_pool), cb_runs))
         reference = None
         for name, fn, n in systems:
-            if args.systems and not any(k in name for k in args.systems.split(",")):
+            if args.systems and not any(name == k[1:] if k.startswith("=") else k in name
+                                        for k in args.systems.split(",")):
                 continue
             sampler.start()
             results = []
@@ -300,11 +308,14 @@ def main():
     ap.add_argument("--generate-w2-runs", type=int, default=0, help="runs of sequential generate on W2 (default --runs)")
     ap.add_argument("--nocache-w2-runs", type=int, default=0, help="runs of corekv without caching on W2 (default --runs)")
     ap.add_argument("--w1-nocache", action="store_true", help="also run corekv on W1 without prefix caching")
-    ap.add_argument("--systems", default="", help="comma-separated substrings of system names to run (default all)")
+    ap.add_argument("--systems", default="", help="comma-separated substrings of system names to run, or =name for exactly that one (default all)")
     ap.add_argument("--cb-default-pool", action="store_true", help="transformers CB with its default (memory-sized) pool")
     ap.add_argument("--json", default=None, help="write the rows here")
     ap.add_argument("--threads", type=int, default=0, help="torch intra-op threads (default: torch's)")
     ap.add_argument("--profile", action="store_true")
+    ap.add_argument("--isa", choices=("avx2",), default=None,
+                    help="run as on a CPU of this instruction set: restarts with torch, inductor, MKL, oneDNN and "
+                         "corekv's native kernels restricted to it (corekv.engine.cpu.isa.RESTRICT_ENV)")
     ap.add_argument("--no-malloc-tuning", action="store_true",
                     help="engine.tune_cpu_malloc off (glibc's malloc as the environment sets it)")
     ap.add_argument("--render", default=None, help="print the markdown tables of a --json file and exit")
@@ -313,6 +324,12 @@ def main():
                          "(benchmarks/vllm_w1_w2.py runs vLLM on them)")
     add_seeds_argument(ap)
     args = ap.parse_args()
+    if args.isa:
+        from corekv.engine.cpu.isa import RESTRICT_ENV
+
+        restrict = RESTRICT_ENV[args.isa]
+        if any(os.environ.get(k) != v for k, v in restrict.items()):  # the libraries read them at start
+            os.execve(sys.executable, [sys.executable, *sys.argv], {**os.environ, **restrict})
     args.workloads = args.workloads.split(",")
     if args.render:
         print(render_markdown(json.loads(Path(args.render).read_text())))
@@ -338,6 +355,15 @@ def main():
                python=sys.version.split()[0], load_start=os.getloadavg())
     import transformers
     env["transformers"] = transformers.__version__
+    from corekv.engine.cpu.isa import RESTRICT_ENV, cpu_info
+    from corekv.engine.cpu.native import NativeBuildError, load_native_attention
+
+    env["cpu"] = cpu_info().describe()
+    env["restrictions"] = {k: os.environ[k] for r in RESTRICT_ENV.values() for k in r if k in os.environ}
+    try:
+        env["native_isa"] = load_native_attention().isa
+    except NativeBuildError as exc:
+        env["native_isa"] = f"none ({exc})"
     log(json.dumps(env))
     if args.profile:
         from engine_profile import profile_decode  # noqa: PLC0415 (benchmarks/ is sys.path[0])

@@ -14,15 +14,17 @@ from collections.abc import Callable, Sequence as SequenceABC
 from dataclasses import dataclass
 
 from corekv.engine.block_manager import BlockManager
+from corekv.engine.scheduling import ORDER_BY_POLICY
 from corekv.engine.sequence import Sequence, SequenceStatus
 
 __all__ = ["Scheduler", "ScheduledSeq", "SCHEDULING_POLICIES"]
 
 logger = logging.getLogger(__name__)
 
-SCHEDULING_POLICIES = ("lpm", "fcfs")
+SCHEDULING_POLICIES = tuple(ORDER_BY_POLICY)
 #: ``lpm`` orders by longest prefix match only while the queue is at most this long: beyond it,
 #: matching every waiting prompt each step costs more than the reuse it finds (and FCFS is fair).
+#: (``dfs-weight`` bounds its own cost, see corekv.engine.scheduling; ``lof`` reads no backend.)
 LPM_QUEUE_LIMIT = 128
 
 
@@ -185,11 +187,10 @@ class Scheduler:
 
     # -- helpers -----------------------------------------------------------------------------
     def _admission_order(self) -> list[Sequence]:
-        if self.scheduling == "fcfs" or len(self.waiting) > LPM_QUEUE_LIMIT:
+        """The waiting queue in the order ``scheduling`` admits it (see corekv.engine.scheduling)."""
+        if self.scheduling == "lpm" and len(self.waiting) > LPM_QUEUE_LIMIT:
             return list(self.waiting)
-        # NOTE: preempted sequences keep the front (they were running); then longest cached
-        # prefix first; sorted() is stable, so ties stay first come, first served.
-        return sorted(self.waiting, key=lambda s: (s.num_preemptions == 0, -len(self.blocks.match(s))))
+        return ORDER_BY_POLICY[self.scheduling](self.waiting, lambda s: len(self.blocks.match(s)))
 
     def _in_flight_blocks(self) -> set:
         """Hashes of the full prompt blocks that running prefills have yet to compute."""

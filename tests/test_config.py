@@ -75,13 +75,15 @@ MESSAGES = [
     ({"engine": {"blok_size": 16}},
      "engine.blok_size: unknown key (value 16); did you mean 'block_size'? Valid keys: block_size, "
      "kv_cache_memory, num_blocks, max_num_seqs, max_num_batched_tokens, scheduling, preemption, "
-     "enable_prefix_caching, enable_chunked_prefill, compile, tune_cpu_malloc, speculative"),
+     "enable_prefix_caching, enable_chunked_prefill, compile, cpu_kernels, tune_cpu_malloc, speculative"),
     ({"modle": "x"},
      "modle: unknown key (value 'x'); did you mean 'model'? Valid keys: model, dtype, device, "
      "engine, cache, kv_events, plugins"),
     ({"engine": {"max_num_seqs": 0}}, "engine.max_num_seqs: got 0; expected an integer >= 1"),
     ({"engine": {"scheduling": "LPM"}},
-     "engine.scheduling: got 'LPM'; expected one of lpm, fcfs; did you mean 'lpm'?"),
+     "engine.scheduling: got 'LPM'; expected one of lpm, fcfs, dfs-weight, lof; did you mean 'lpm'?"),
+    ({"engine": {"scheduling": "dfs_weight"}},
+     "engine.scheduling: got 'dfs_weight'; expected one of lpm, fcfs, dfs-weight, lof; did you mean 'dfs-weight'?"),
     ({"engine": {"preemption": "swapp"}},
      "engine.preemption: got 'swapp'; expected one of recompute, swap; did you mean 'swap'?"),
     ({"engine": {"kv_cache_memory": None}},
@@ -138,7 +140,7 @@ MESSAGES = [
      "cache.pinned[0].chat: got true with token_ids; expected chat: true only with text (token ids "
      "are used as given)"),
     ({"engine": []}, "engine: got []; expected a mapping with keys block_size, kv_cache_memory, "
-     "num_blocks, max_num_seqs, max_num_batched_tokens, scheduling, preemption, enable_prefix_caching, enable_chunked_prefill, compile, tune_cpu_malloc, speculative"),
+     "num_blocks, max_num_seqs, max_num_batched_tokens, scheduling, preemption, enable_prefix_caching, enable_chunked_prefill, compile, cpu_kernels, tune_cpu_malloc, speculative"),
 ]
 
 
@@ -454,7 +456,7 @@ def test_reference_has_a_row_per_field_with_help_and_defaults(pm):
         assert f.metadata["help"].replace("|", "\\|") in row
     assert "| `engine.kv_cache_memory` | a non-zero size such as 512MiB, 20GiB, 1.5GB or a whole " \
            "number of bytes | 256MiB |" in text
-    assert "| `engine.scheduling` | one of lpm, fcfs | lpm |" in text
+    assert "| `engine.scheduling` | one of lpm, fcfs, dfs-weight, lof | lpm |" in text
 
 
 def test_reference_has_a_row_per_option_of_every_plugin_section(pm):
@@ -547,11 +549,12 @@ engine_fields = st.fixed_dictionaries({}, optional={
     "kv_cache_memory": st.integers(1, 2**42).map(lambda n: format_size(n)),
     "num_blocks": st.none() | st.integers(1, 10**7),
     "max_num_seqs": st.integers(1, 4096),
-    "scheduling": st.sampled_from(["lpm", "fcfs"]),
+    "scheduling": st.sampled_from(["lpm", "fcfs", "dfs-weight", "lof"]),
     "preemption": st.sampled_from(["recompute", "swap"]),
     "enable_prefix_caching": st.booleans(),
     "enable_chunked_prefill": st.booleans(),
     "compile": st.booleans(),
+    "cpu_kernels": st.sampled_from(["auto", "native", "torch"]),
     "tune_cpu_malloc": st.booleans(),
 })
 

@@ -63,19 +63,29 @@ class EngineConfig:
                                     "kv_cache_memory when both are given", minimum=1)
     max_num_seqs: int = _field(32, "most sequences in one batch", minimum=1)
     max_num_batched_tokens: int = _field(1024, "most tokens computed in one step", minimum=1)
-    scheduling: str = _field("lpm", "waiting-queue order: longest prefix match first, or "
-                             "first come first served", choices=("lpm", "fcfs"))
+    scheduling: str = _field("lpm", "waiting-queue order. lpm: longest cached prefix first, for "
+                             "traffic whose hot prefixes stay cached (arrival order past 128 "
+                             "waiting); dfs-weight: requests sharing a prefix one after another, "
+                             "the biggest group first, for large batches of grouped prompts and a "
+                             "pool smaller than them; lof: most max_tokens left first, so long "
+                             "generations do not finish alone; fcfs: arrival order",
+                             choices=("lpm", "fcfs", "dfs-weight", "lof"))
     preemption: str = _field("recompute", "what happens to a preempted sequence's KV",
                              choices=("recompute", "swap"))
     enable_prefix_caching: bool = _field(True, "reuse cached prefixes across requests")
     enable_chunked_prefill: bool = _field(True, "split long prompts across steps so decodes keep "
                                           "running; off: a prompt is prefilled in one step")
     compile: bool = _field(False, "compile the model's forward with torch.compile (inductor; "
-                           "corekv's paged attention stays one opaque op) when the engine starts, and on "
-                           "CPU build corekv's native kernels (paged decode and prefill attention, the "
-                           "linears of decode-sized steps; g++ and ninja, once per machine): faster steps "
-                           "for a start-up cost of a minute or two; bfloat16's greedy tokens are not "
-                           "bit-identical to eager bfloat16's")
+                           "corekv's paged attention stays one opaque op) when the engine starts: a "
+                           "start-up cost of a minute or two, faster steps on some CPUs only (slower on "
+                           "AVX2 machines); bfloat16's greedy tokens are not bit-identical to eager "
+                           "bfloat16's")
+    cpu_kernels: str = _field("auto", "on a CPU device, float32 or bfloat16: corekv's native kernels "
+                              "(paged decode and prefill attention, the linears of decode-sized steps) "
+                              "for the CPU's instruction set, built with g++ and ninja once per machine "
+                              "(about a minute, then cached). auto: native where they build, else the "
+                              "torch path with a warning; native: required (a failed build is an error); "
+                              "torch: never build them", choices=("auto", "native", "torch"))
     tune_cpu_malloc: bool = _field(True, "on a CPU device with glibc: keep freed activation "
                                    "buffers in the heap (mallopt) instead of page-faulting them in "
                                    "again every layer; off: leave the process's malloc as it is")

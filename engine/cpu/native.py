@@ -1,4 +1,4 @@
-"""corekv's native CPU kernels (``engine.compile``), built from ``paged_attention.cpp``,
+"""corekv's native CPU kernels (``engine.cpu_kernels``, on by default), built from ``paged_attention.cpp``,
 ``small_linear.cpp`` and the kernels' code for each instruction set (``kernels_isa.h``).
 
 Two attention kernels read K/V straight from the pool blocks through block tables, one C++ call per

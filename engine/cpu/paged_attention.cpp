@@ -1,4 +1,4 @@
-// corekv's native CPU attention (engine.compile), reading K/V straight from the paged pool through
+// corekv's native CPU attention (engine.cpu_kernels), reading K/V straight from the paged pool through
 // block tables, where the torch path gathers blocks into contiguous buffers and calls SDPA (see
 // engine/cpu/native.py). Pools are [num_blocks, block_size, H, D] (float32 or bfloat16; each
 // block's [block_size, H, D] contiguous, blocks any stride apart, as KVPool.layer_kv's views);

@@ -1,4 +1,4 @@
-// corekv's native linear for few rows (engine.compile on CPU): out = x @ W^T + b for the 1-32 rows
+// corekv's native linear for few rows (engine.cpu_kernels on CPU): out = x @ W^T + b for the 1-32 rows
 // of a decode step, from a copy of W (float32 or bfloat16) packed once into column panels
 // [N / P, K, P], each panel streamed from memory once per call (see engine/cpu/linears.py). P is the
 // instruction set's panel width: 64 outputs (4 vectors) for AVX-512, 16 (2 vectors) for AVX2.

@@ -59,9 +59,10 @@ def test_models_of_one_class_compiled_in_one_process_each_get_their_own_graph(ti
             assert all(len(t) == GREEDY.max_tokens for t in got)
 
 
-def start_compiled_tiny_engine(env: dict, prelude: str = "") -> subprocess.CompletedProcess:
-    """A fresh process that builds a compiled engine on the tiny model under ``env``
-    (after running ``prelude``), printing ``ERROR <message>`` if that raises a ConfigError."""
+def start_compiled_tiny_engine(env: dict, prelude: str = "", engine: str = "compile=True") -> subprocess.CompletedProcess:
+    """A fresh process that builds an engine (``EngineConfig(num_blocks=16, <engine>)``, compiled by
+    default) on the tiny model under ``env`` (after running ``prelude``), printing ``ERROR <message>``
+    if that raises a ConfigError, else ``NATIVE <whether its runner has native kernels>``."""
     code = (
         prelude
         + "from corekv.config import Config, EngineConfig\n"
@@ -69,7 +70,8 @@ def start_compiled_tiny_engine(env: dict, prelude: str = "") -> subprocess.Compl
         "from corekv.engine.tiny_model import make_tiny_llama\n"
         "from corekv.errors import ConfigError\n"
         "try:\n"
-        "    Engine(Config(model='tiny', engine=EngineConfig(num_blocks=16, compile=True)), model=make_tiny_llama())\n"
+        f"    e = Engine(Config(model='tiny', engine=EngineConfig(num_blocks=16, {engine})), model=make_tiny_llama())\n"
+        "    print('NATIVE', e.runner._native is not None)\n"
         "except ConfigError as e:\n"
         "    print('ERROR', e)\n"
     )
@@ -87,13 +89,18 @@ def test_compile_without_a_cpp_compiler_is_a_clear_config_error(tmp_path):
     assert "set engine.compile: false" in out.stdout
 
 
-def test_a_failed_native_build_is_a_clear_config_error(tmp_path):
-    """A real build of the native kernels in a fresh process and an empty extension cache,
-    with $CXX naming a compiler that does not exist."""
-    out = start_compiled_tiny_engine({"CXX": "/nonexistent/c++", "TORCH_EXTENSIONS_DIR": str(tmp_path / "ext")})
-    assert "ERROR engine.compile: could not build corekv's native kernels" in out.stdout, \
+def test_a_failed_native_build_is_a_clear_config_error_only_where_native_kernels_are_required(tmp_path):
+    """A real build of the native kernels in a fresh process and an empty extension cache, with
+    $CXX naming a compiler that does not exist: ``engine.cpu_kernels: native`` refuses to start
+    naming the field and the fix; the default (auto) serves on the torch path and says why."""
+    env = {"CXX": "/nonexistent/c++", "TORCH_EXTENSIONS_DIR": str(tmp_path / "ext")}
+    out = start_compiled_tiny_engine(env, engine="cpu_kernels='native'")
+    assert "ERROR engine.cpu_kernels: could not build corekv's native kernels" in out.stdout, \
         out.stdout + out.stderr[-2000:]
-    assert "set engine.compile: false" in out.stdout
+    assert "set engine.cpu_kernels: auto or torch" in out.stdout
+    out = start_compiled_tiny_engine(env, engine="cpu_kernels='auto'")
+    assert "NATIVE False" in out.stdout, out.stdout + out.stderr[-2000:]
+    assert "could not build corekv's native kernels" in out.stderr and "serving on the torch path" in out.stderr
 
 
 def test_compile_flag_is_validated(tiny_llama):
