@@ -72,6 +72,7 @@ class PrometheusExporter:
         self._engine = weakref.ref(engine) if engine is not None else None
         if engine is not None:
             self._add_pool_gauges(prom)
+            self.registry.register(_SpeculativeCollector(self._engine))
 
     # -- hook implementations (registered per engine) ----------------------------------------
     @hookimpl
@@ -146,6 +147,32 @@ class PrometheusExporter:
         gauge.labels(state="total").set_function(read("num_blocks"))
         gauge.labels(state="free").set_function(read("num_free_blocks"))
         gauge.labels(state="pinned").set_function(read("num_pinned_blocks"))
+
+
+class _SpeculativeCollector:
+    """Speculative decoding's counters (``engine.stats()["speculative"]``), read at each scrape:
+    ``corekv_spec_decode_verifications_total`` (a sequence's drafts verified in one step),
+    ``corekv_spec_decode_draft_tokens_total``, ``corekv_spec_decode_accepted_tokens_total`` and the
+    gauge ``corekv_spec_decode_mean_acceptance_length`` (tokens per verification, the target's own
+    included). All 0 while speculation is off."""
+
+    def __init__(self, engine_ref: Any):
+        self._engine = engine_ref
+
+    def collect(self):
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+        engine = self._engine()
+        decoder = getattr(engine, "speculative", None)
+        stats = decoder.stats() if decoder is not None else {}
+        for name, key, about in (
+                ("verifications", "num_speculations", "Decoding sequences' drafts verified (one per sequence and step)"),
+                ("draft_tokens", "num_proposed_tokens", "Draft tokens verified"),
+                ("accepted_tokens", "num_accepted_tokens", "Draft tokens accepted")):
+            yield CounterMetricFamily(f"corekv_spec_decode_{name}", about, value=stats.get(key, 0))
+        yield GaugeMetricFamily("corekv_spec_decode_mean_acceptance_length",
+                                "Tokens per verification, the target's own included (0 before any)",
+                                value=stats.get("mean_acceptance_length", 0.0))
 
 
 def exporter_for(engine: Any) -> PrometheusExporter | None:

@@ -93,6 +93,23 @@ def test_offloaded_and_loaded_blocks_are_counted_per_tier(tiny):
     assert ("corekv_blocks_loaded_total", (("tier", "lmdb"),)) not in got
 
 
+def test_speculative_decoding_counters_follow_the_engine_stats(tiny):
+    config = {"model": "tiny", "engine": {"num_blocks": 64, "block_size": 16,
+                                          "speculative": {"method": "ngram", "prompt_lookup_min": 1}}}
+    with Engine.from_config(config, model=tiny) as engine:
+        exporter = exporter_for(engine)
+        assert samples(exporter)[("corekv_spec_decode_draft_tokens_total", ())] == 0
+        engine.generate(["abcabcabcabcabcabc", SHARED], SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True))
+        got, stats = samples(exporter), engine.stats()["speculative"]
+    assert stats["num_proposed_tokens"] > 0
+    assert got[("corekv_spec_decode_verifications_total", ())] == stats["num_speculations"]
+    assert got[("corekv_spec_decode_draft_tokens_total", ())] == stats["num_proposed_tokens"]
+    assert got[("corekv_spec_decode_accepted_tokens_total", ())] == stats["num_accepted_tokens"]
+    assert got[("corekv_spec_decode_mean_acceptance_length", ())] == pytest.approx(stats["mean_acceptance_length"])
+    with make_engine(tiny) as engine:
+        assert samples(exporter_for(engine))[("corekv_spec_decode_accepted_tokens_total", ())] == 0
+
+
 def test_each_engine_has_its_own_registry(tiny):
     with make_engine(tiny) as first, make_engine(tiny) as second:
         first.generate(["one request"], GREEDY)
