@@ -21,7 +21,15 @@ MAX_COMPOSED_CHARS = 4
 
 
 class RequestRejectedError(CoreKVError, ValueError):
-    """A request can never be served by this engine (too long for the pool, the model or a step)."""
+    """A request can never be served by this engine (too long for the pool, the model or a step).
+
+    :ivar field: the ``SamplingParams`` field the request cannot be served with, where one is to
+        blame alone (``logit_bias`` outside the vocabulary); else ``None``.
+    """
+
+    def __init__(self, message: str, *, field: str | None = None):
+        super().__init__(message)
+        self.field = field
 
 
 @dataclass
@@ -112,7 +120,7 @@ def check_logit_bias(params: SamplingParams, vocab_size: int) -> None:
     if bad:
         raise RequestRejectedError(
             f"SamplingParams.logit_bias names token ids {bad[:5]} outside the model's vocabulary "
-            f"[0, {vocab_size}); bias only token ids the model has")
+            f"[0, {vocab_size}); bias only token ids the model has", field="logit_bias")
 
 
 def max_prompt_chars(max_tokens: int, tokenizer: Any) -> int | None:

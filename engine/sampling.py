@@ -44,11 +44,19 @@ _BLOCK = 256  # tokens per block of the two-level inverse CDF
 
 
 class SamplingParamsError(CoreKVError, ValueError):
-    """A sampling parameter is invalid; the message names the field, the value, and the fix."""
+    """A sampling parameter is invalid; the message names the field, the value, and the fix.
+
+    :ivar field: that field's name (``None`` when the error is about the whole mapping), so callers
+        (the server's ``param``) can tell which one was rejected without parsing the message.
+    """
+
+    def __init__(self, message: str, *, field: str | None = None):
+        super().__init__(message)
+        self.field = field
 
 
 def _fail(field: str, value: Any, expected: str, fix: str) -> SamplingParamsError:
-    return SamplingParamsError(f"SamplingParams.{field} must be {expected}, got {value!r}; {fix}")
+    return SamplingParamsError(f"SamplingParams.{field} must be {expected}, got {value!r}; {fix}", field=field)
 
 
 class _Quoted:

@@ -24,7 +24,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import re
 from collections.abc import AsyncIterator, Awaitable
 from typing import Any
 
@@ -190,8 +189,7 @@ def as_api_error(error: BaseException) -> APIError:
         # NOTE: raised while admitting a request (SamplingParams, the prompt, the chat template,
         # a request too long for the pool): all about what the client sent.
         code = "request_rejected" if type(error).__name__ == "RequestRejectedError" else None
-        named = re.match(r"SamplingParams\.(\w+) ", str(error))
-        return APIError(str(error), status=400, code=code, param=named and named.group(1))
+        return APIError(str(error), status=400, code=code, param=getattr(error, "field", None))
     return APIError(f"internal error: {type(error).__name__}: {error}", status=500, type="server_error")
 
 

@@ -261,9 +261,8 @@ def _generate_request(body: Mapping, prompts: Any, max_tokens: Any, default_max_
     try:
         params = SamplingParams(**fields)
     except (TypeError, ValueError) as e:
-        # NOTE: the message names SamplingParams.<field>; the field is also the body's name.
-        param = next((k for k in fields if f"SamplingParams.{k} " in str(e)), None)
-        raise APIError(str(e), param=param) from e
+        # NOTE: a SamplingParams field is also the body's name
+        raise APIError(str(e), param=getattr(e, "field", None)) from e
     return GenerateRequest(tuple(prompts), params, _salt(body), model, stream, include_usage)
 
 
