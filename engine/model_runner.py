@@ -281,12 +281,8 @@ class ModelRunner:
             start, n = starts[i], lengths[i]
             mask = None
             if start:
-                # NOTE: additive (0 / -inf) in the pool's dtype, built once per step: a boolean mask
-                # is converted to this by SDPA in every layer.
                 query_pos = torch.arange(start, start + n)
-                hidden = torch.arange(start + n)[None] > query_pos[:, None]
-                mask = torch.zeros(hidden.shape, dtype=self.kv_pool.dtype).masked_fill_(hidden, float("-inf"))
-                mask = mask[None, None].to(device)
+                mask = self._additive_mask(torch.arange(start + n)[None] > query_pos[:, None])[None, None].to(device)
             begin = int(token_starts[i])
             prefills.append(PrefillSlice(begin, begin + n, start, start + n,
                                          torch.tensor(tables[i], dtype=torch.long, device=device), mask))
@@ -298,11 +294,17 @@ class ModelRunner:
         max_blocks = max(len(t) for t in tables)
         padded = torch.tensor([t + [0] * (max_blocks - len(t)) for t in tables], dtype=torch.long)
         last_visible = torch.tensor(starts)[:, None] + torch.arange(chunk_len)[None]  # [chunks, t]
-        hidden = torch.arange(max_blocks * bs)[None, None] > last_visible[:, :, None]
-        mask = torch.zeros(hidden.shape, dtype=self.kv_pool.dtype).masked_fill_(hidden, float("-inf"))
+        mask = self._additive_mask(torch.arange(max_blocks * bs)[None, None] > last_visible[:, :, None])
         mask = mask.repeat_interleave(self._queries_per_kv_head, dim=1)[:, None]
         return ShortChunkGroup(token_start, token_start + len(tables) * chunk_len, len(tables), chunk_len,
                                padded.to(device), mask.to(device))
+
+    def _additive_mask(self, hidden: torch.Tensor) -> torch.Tensor:
+        """0 where ``hidden`` is False, -inf where True, in the pool's dtype.
+
+        NOTE: additive and built once per step: SDPA converts a boolean mask to this in every layer.
+        """
+        return torch.zeros(hidden.shape, dtype=self.kv_pool.dtype).masked_fill_(hidden, float("-inf"))
 
     def _decode_group(self, row_start: int, tables: list[list[int]], starts: list[int], num_shared: int) -> DecodeGroup:
         """Padded block tables (after the shared blocks) and additive padding mask of one group."""
@@ -313,9 +315,7 @@ class ModelRunner:
         context = torch.tensor(starts) + 1 - num_shared * bs
         mask = None
         if self._native is None and bool((context != max_blocks * bs).any()):  # native: bound by context
-            valid = torch.arange(max_blocks * bs)[None] < context[:, None]
-            mask = torch.zeros(valid.shape, dtype=self.kv_pool.dtype).masked_fill_(~valid, float("-inf"))
-            mask = mask[:, None, None].to(device)
+            mask = self._additive_mask(torch.arange(max_blocks * bs)[None] >= context[:, None])[:, None, None].to(device)
         shared = torch.tensor(tables[0][:num_shared], dtype=torch.long, device=device) if num_shared else None
         return DecodeGroup(row_start, row_start + len(tables), padded.to(device), mask, shared, context.to(device))
 

@@ -370,7 +370,7 @@ def can_speculate(params: SamplingParams) -> bool:
     """Whether a request's tokens may come from verified drafts: not with logits processors
     (penalties, logit_bias, min_tokens: a draft position's logits would need the drafts before it as
     history) nor with log-probabilities (reported per sampled token by the engine's sampler)."""
-    return not getattr(params, "has_logits_processors", False) and getattr(params, "logprobs", None) is None
+    return not params.has_logits_processors and params.logprobs is None
 
 
 def accept_greedy(draft_token_ids: SequenceABC[int], target_token_ids: SequenceABC[int]) -> list[int]:
