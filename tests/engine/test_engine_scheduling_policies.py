@@ -113,15 +113,19 @@ def test_the_config_offers_exactly_the_policies_the_scheduler_knows():
 
 
 # -- lof and lpm -----------------------------------------------------------------------------
+def assert_sorted_by_descending_key_then_queue_order(order, seqs, key):
+    for a, b in zip(order, order[1:]):
+        assert key(a) >= key(b)
+        if key(a) == key(b):
+            assert seqs.index(a) < seqs.index(b)
+
+
 @SETTINGS
 @given(queues())
 def test_lof_sorts_by_the_tokens_max_tokens_still_allows_and_keeps_queue_order_for_ties(queue):
     seqs, num_matched_blocks = queue
     order = fresh_part(order_lof(seqs, num_matched_blocks))
-    for a, b in zip(order, order[1:]):
-        assert expected_output_tokens(a) >= expected_output_tokens(b)
-        if expected_output_tokens(a) == expected_output_tokens(b):
-            assert seqs.index(a) < seqs.index(b)
+    assert_sorted_by_descending_key_then_queue_order(order, seqs, expected_output_tokens)
 
 
 def test_lof_expects_max_tokens_minus_what_was_generated():
@@ -134,10 +138,7 @@ def test_lof_expects_max_tokens_minus_what_was_generated():
 def test_lpm_sorts_by_cached_blocks_and_keeps_queue_order_for_ties(queue):
     seqs, num_matched_blocks = queue
     order = fresh_part(order_lpm(seqs, num_matched_blocks))
-    for a, b in zip(order, order[1:]):
-        assert num_matched_blocks(a) >= num_matched_blocks(b)
-        if num_matched_blocks(a) == num_matched_blocks(b):
-            assert seqs.index(a) < seqs.index(b)
+    assert_sorted_by_descending_key_then_queue_order(order, seqs, num_matched_blocks)
 
 
 # -- dfs-weight ------------------------------------------------------------------------------
