@@ -110,17 +110,24 @@ def run_corekv(loaded, wave_list, max_new, ignore_eos, prefix_caching, compile=F
                                      compile=compile, cpu_kernels=cpu_kernels, tune_cpu_malloc=TUNE_CPU_MALLOC),
                  cache=CacheConfig(backend="radix"))
     params = SamplingParams(max_tokens=max_new, temperature=0.0, ignore_eos=ignore_eos)
-    tokens, ttfts, wave_times, computed = [], [], [], []
     with Engine(cfg, model=loaded) as engine:
-        t0 = time.perf_counter()
-        for wave in wave_list:
-            w0 = time.perf_counter()
-            outs = engine.generate(wave, params, use_tqdm=False)
-            wave_times.append(time.perf_counter() - w0)
-            tokens += [list(o.token_ids) for o in outs]
-            computed.append(engine.stats()["prompt_tokens_computed"] - sum(computed))
-            ttfts += [o.ttft_s for o in outs]
-        total = time.perf_counter() - t0
+        return run_waves(engine, wave_list, params)
+
+
+def run_waves(engine, wave_list, params) -> dict:
+    """One run on ``engine``: each wave submitted whole to ``engine.generate`` in turn; returns the
+    total and per-wave seconds, each request's TTFT and tokens, and the prompt tokens each wave
+    computed (corekv's counterpart of vllm_w1_w2.run_waves)."""
+    tokens, ttfts, wave_times, computed = [], [], [], []
+    t0 = time.perf_counter()
+    for wave in wave_list:
+        w0 = time.perf_counter()
+        outs = engine.generate(wave, params, use_tqdm=False)
+        wave_times.append(time.perf_counter() - w0)
+        tokens += [list(o.token_ids) for o in outs]
+        computed.append(engine.stats()["prompt_tokens_computed"] - sum(computed))
+        ttfts += [o.ttft_s for o in outs]
+    total = time.perf_counter() - t0
     return dict(total=total, waves=wave_times, ttfts=ttfts, tokens=tokens, prompt_tokens_computed=computed)
 
 

@@ -244,29 +244,22 @@ def corekv_run(model, name: str, turns, num_blocks: int, working_set_bytes: int,
     from corekv.config import CacheConfig, Config, EngineConfig
     from corekv.engine.llm_engine import Engine
     from corekv.engine.sampling import SamplingParams
-    from memory_pressure import tier_configs  # benchmarks/ is sys.path[0]
+    from engine_w1_w2 import run_waves  # benchmarks/ is sys.path[0]
+    from memory_pressure import tier_configs
 
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
     workdir = tempfile.mkdtemp(prefix="corekv-mtv-")
-    tokens, ttfts, wave_times = [], [], []
     try:
         config = Config(model="smollm2-135m-instruct", dtype="float32", device="cpu",
                         engine=EngineConfig(num_blocks=num_blocks, block_size=BLOCK, max_num_seqs=args.max_num_seqs,
                                             max_num_batched_tokens=args.budget),
                         cache=CacheConfig(backend="radix", tiers=tier_configs(name, workdir, working_set_bytes)))
         with Engine(config, model=model) as engine:
-            t0 = time.perf_counter()
-            for prompts in turns:
-                w0 = time.perf_counter()
-                outs = engine.generate(prompts, params, use_tqdm=False)
-                wave_times.append(time.perf_counter() - w0)
-                tokens += [list(o.token_ids) for o in outs]
-                ttfts += [o.ttft_s for o in outs]
-            total = time.perf_counter() - t0
+            run = run_waves(engine, turns, params)
             stats = engine.stats()
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
-    return dict(total=total, waves=wave_times, ttfts=ttfts, tokens=tokens,
+    return dict(total=run["total"], waves=run["waves"], ttfts=run["ttfts"], tokens=run["tokens"],
                 prompt_tokens=stats["prompt_tokens"], prompt_tokens_computed=stats["prompt_tokens_computed"],
                 preemptions=stats["num_preemptions"],
                 reloads={k: v.get("reloads", 0) for k, v in stats["tiers"].items()},

@@ -161,14 +161,10 @@ def run_w1_w2(loaded, workload: str, speculative: SpeculativeConfig, seeds) -> d
     cfg = Config(engine=EngineConfig(num_blocks=num_tokens // 16 + 64, speculative=speculative),
                  cache=CacheConfig(backend="radix"))
     params = SamplingParams(max_tokens=max_new, temperature=0.0, ignore_eos=ignore_eos)
-    tokens = []
     with Engine(cfg, model=loaded) as engine:
-        t0 = time.perf_counter()
-        for wave in waves:
-            tokens += [list(o.token_ids) for o in engine.generate(wave, params)]
-        total = time.perf_counter() - t0
+        run = w12.run_waves(engine, waves, params)
         stats = engine.stats()["speculative"]
-    return dict(total=total, tokens=tokens, out_tokens=sum(map(len, tokens)), spec=stats)
+    return dict(total=run["total"], tokens=run["tokens"], out_tokens=sum(map(len, run["tokens"])), spec=stats)
 
 
 def main(argv=None) -> None:
