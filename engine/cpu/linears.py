@@ -59,14 +59,18 @@ def prepare_linear_weights(hf_model: Any) -> None:
             weight.data = weight.data.t().contiguous().t()
         w, bias = weight.detach(), module.bias
         key = (w.dtype, tuple(w.shape), bias is not None, w.is_contiguous())
+        onednn_copy = None  # this weight in oneDNN's layout, made once
         if key not in plans:
             names = (("mkl", "onednn") if onednn else ("mkl",)) if w.dtype == torch.float32 else \
                 ("onednn", "upcast") if onednn_bf16 else ("F.linear", "upcast")
-            trial = _Packed(None, torch.ops.mkldnn._reorder_linear_weight(w, 32) if "onednn" in names else None)
+            onednn_copy = torch.ops.mkldnn._reorder_linear_weight(w, 32) if "onednn" in names else None
+            trial = _Packed(None, onednn_copy)
             plans[key] = gemm_plan(w.dtype, tuple(w.shape),
                                    {name: _bound(_GEMMS[name], w, bias, trial) for name in names})
         plan = plans[key]
-        packed = _Packed(plan, torch.ops.mkldnn._reorder_linear_weight(w, 32) if "onednn" in plan.values() else None)
+        if "onednn" in plan.values() and onednn_copy is None:
+            onednn_copy = torch.ops.mkldnn._reorder_linear_weight(w, 32)
+        packed = _Packed(plan, onednn_copy if "onednn" in plan.values() else None)
         module._corekv_packed = packed
         module.forward = (_float32_linear if w.dtype == torch.float32 else _bfloat16_linear)(w, bias, packed)
 
