@@ -52,6 +52,8 @@ _module = None
 #: the kernels of each instruction set asked for, by name
 _kernels: dict[str, NativeKernels] = {}
 _warned = False  # wants_native_kernels logged a failed build
+#: why the build failed in this process: not tried again (it would fail the same way, in seconds)
+_build_error: NativeBuildError | None = None
 logger = logging.getLogger(__name__)
 
 
@@ -124,7 +126,9 @@ def built_isas() -> list[str]:
 
 
 def _build():
-    global _module
+    global _module, _build_error
+    if _build_error is not None:
+        raise _build_error
     if _module is None:
         from torch.utils import cpp_extension
 
@@ -141,7 +145,8 @@ def _build():
                                          extra_cflags=["-O3", "-fopenmp", "-ffast-math", *march],
                                          extra_ldflags=["-fopenmp"])
         except Exception as exc:  # compiler, ninja and build failures come as several exception types
-            raise NativeBuildError(
+            _build_error = NativeBuildError(
                 f"could not build corekv's native kernels ({describe_exception(exc)}); it needs a "
-                "C++ compiler (g++, or the one named by $CXX) and ninja (pip install ninja)") from exc
+                "C++ compiler (g++, or the one named by $CXX) and ninja (pip install ninja)")
+            raise _build_error from exc
     return _module
