@@ -28,76 +28,27 @@ inline vf splat(float x) { return vf{} + x; }
 inline vf load(const float* p) { vf v; std::memcpy(&v, p, sizeof v); return v; }
 inline void store(float* p, vf v) { std::memcpy(p, &v, sizeof v); }
 
-// ---- paged_decode ----------------------------------------------------------------------------
-// One pool row of D values as float32: the row itself, or its bfloat16 bits widened into buf.
-inline const float* as_float(const float* src, float*, int64_t) { return src; }
-inline const float* as_float(const at::BFloat16* src, float* buf, int64_t D) {
-  const uint16_t* bits = reinterpret_cast<const uint16_t*>(src);
-  uint32_t* out = reinterpret_cast<uint32_t*>(buf);
-#pragma omp simd
-  for (int64_t d = 0; d < D; ++d) out[d] = static_cast<uint32_t>(bits[d]) << 16;
-  return buf;
+// VL float32 values from p, bfloat16 bits widened
+inline vf load(const at::BFloat16* p) {
+  vh h;
+  std::memcpy(&h, p, sizeof h);
+  const vu bits = __builtin_convertvector(h, vu) << 16;
+  vf v;
+  std::memcpy(&v, &bits, sizeof v);
+  return v;
 }
 
-// One task per (row, KV head): scores of its G queries over the row's keys, softmax, then the
-// probability-weighted sum of the values; every K and V row is read once per task.
-template <typename T>
-void decode(const float* q, const T* k_pool, const T* v_pool, const int64_t* tables, const int64_t* lens,
-            float* out, float* lse, int64_t R, int64_t H, int64_t G, int64_t D, int64_t block_size,
-            int64_t block_stride, int64_t max_blocks, float scale) {
-  at::parallel_for(0, R * H, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores, acc(G * D), row(D);
-    for (int64_t task = begin; task < end; ++task) {
-      const int64_t r = task / H, h = task % H, n = lens[r];
-      const float* qr = q + task * G * D;
-      const int64_t* table = tables + r * max_blocks;
-      auto offset = [&](int64_t t) { return table[t / block_size] * block_stride + ((t % block_size) * H + h) * D; };
-      scores.resize(G * n);
-      for (int64_t t = 0; t < n; ++t) {
-        const float* k = as_float(k_pool + offset(t), row.data(), D);
-        for (int64_t g = 0; g < G; ++g) {
-          const float* qg = qr + g * D;
-          float s = 0.f;
-#pragma omp simd reduction(+ : s)
-          for (int64_t d = 0; d < D; ++d) s += qg[d] * k[d];
-          scores[g * n + t] = s * scale;
-        }
-      }
-      for (int64_t g = 0; g < G; ++g) {
-        float* sg = scores.data() + g * n;
-        const float m = *std::max_element(sg, sg + n);
-        float sum = 0.f;
-        for (int64_t t = 0; t < n; ++t) {
-          sg[t] = std::exp(sg[t] - m);
-          sum += sg[t];
-        }
-        lse[task * G + g] = m + std::log(sum);
-        const float inv = 1.f / sum;
-        for (int64_t t = 0; t < n; ++t) sg[t] *= inv;
-      }
-      std::fill(acc.begin(), acc.end(), 0.f);
-      for (int64_t t = 0; t < n; ++t) {
-        const float* v = as_float(v_pool + offset(t), row.data(), D);
-        for (int64_t g = 0; g < G; ++g) {
-          const float p = scores[g * n + t];
-          float* a = acc.data() + g * D;
-#pragma omp simd
-          for (int64_t d = 0; d < D; ++d) a[d] += p * v[d];
-        }
-      }
-      std::memcpy(out + task * G * D, acc.data(), sizeof(float) * G * D);
-    }
-  });
+inline float to_float(float x) { return x; }
+inline float to_float(at::BFloat16 x) { return static_cast<float>(x); }
+
+// The sum of v's lanes (-ffast-math lets the compiler add them as a tree of halves).
+inline float hsum(vf v) {
+  float sum = 0.f;
+  for (int i = 0; i < VL; ++i) sum += v[i];
+  return sum;
 }
 
-// ---- paged_prefill ---------------------------------------------------------------------------
-// A task is (chunk, KV head, VL consecutive queries of the chunk): its G x VL query rows are held
-// transposed, one vector lane per query token, so scores, softmax and the weighted values of a tile
-// of keys are all vector operations over those lanes; each key and value row of the pool is read as
-// scalars broadcast against them. Flash-attention style: a running max and sum per row, no scores
-// matrix beyond one tile, no mask tensor (a key after a query's position is hidden in the kernel).
-
-constexpr int KT = 64;            // keys per tile
+constexpr int KT = 64;            // keys per tile of the attention kernels
 constexpr float HIDDEN = -1e30f;  // the score of a key a query must not see (finite: -ffast-math)
 
 // exp(x) for x <= 0 (a score minus its row's running max), 0 below -80: 2^n * p(f) with p the
@@ -117,8 +68,155 @@ inline vf vexp(vf x) {
   return x < -80.f ? splat(0.f) : p * reinterpret_cast<const vf&>(bits);
 }
 
-inline float to_float(float x) { return x; }
-inline float to_float(at::BFloat16 x) { return static_cast<float>(x); }
+// ---- paged_decode ----------------------------------------------------------------------------
+
+// s[g][j] = K[j] . q[g] for the tile's nk keys and GB query rows (q scaled, [GB][D]): each key row
+// is loaded once, VL dims at a time, against the GB rows' partial sums in registers.
+template <int GB, typename T>
+inline void decode_scores(const T* const* krow, const float* q, float* s, int nk, int64_t D) {
+  const int64_t nv = D / VL * VL;
+  for (int j = 0; j < nk; ++j) {
+    const T* k = krow[j];
+    vf acc[GB];
+    for (int g = 0; g < GB; ++g) acc[g] = splat(0.f);
+    for (int64_t d = 0; d < nv; d += VL) {
+      const vf kv = load(k + d);
+      for (int g = 0; g < GB; ++g) acc[g] += kv * load(q + g * D + d);
+    }
+    for (int g = 0; g < GB; ++g) {
+      float x = hsum(acc[g]);
+      for (int64_t d = nv; d < D; ++d) x += to_float(k[d]) * q[g * D + d];
+      s[g * KT + j] = x;
+    }
+  }
+}
+
+// o[g] += sum_j p[g][j] * V[j] for the tile's nk keys and GB rows ([GB][D]): VL dims at a time,
+// the GB rows' accumulators in registers over the keys.
+template <int GB, typename T>
+inline void decode_values(const T* const* vrow, const float* p, float* o, int nk, int64_t D) {
+  const int64_t nv = D / VL * VL;
+  for (int64_t d = 0; d < nv; d += VL) {
+    vf acc[GB];
+    for (int g = 0; g < GB; ++g) acc[g] = load(o + g * D + d);
+    for (int j = 0; j < nk; ++j) {
+      const vf vv = load(vrow[j] + d);
+      for (int g = 0; g < GB; ++g) acc[g] += p[g * KT + j] * vv;
+    }
+    for (int g = 0; g < GB; ++g) store(o + g * D + d, acc[g]);
+  }
+  for (int64_t d = nv; d < D; ++d)
+    for (int g = 0; g < GB; ++g) {
+      float x = o[g * D + d];
+      for (int j = 0; j < nk; ++j) x += p[g * KT + j] * to_float(vrow[j][d]);
+      o[g * D + d] = x;
+    }
+}
+
+// One tile's scores (values == false) or weighted values for all G rows, up to 4 at a time.
+template <typename T>
+void decode_tile(const T* const* krow, const T* const* vrow, const float* q, float* s, float* o, int nk, int64_t G,
+                 int64_t D, bool values) {
+  for (int64_t g0 = 0; g0 < G; g0 += 4) {
+    const float* qg = q + g0 * D;
+    float* sg = s + g0 * KT;
+    float* og = o + g0 * D;
+#define COREKV_DECODE_PART(GB) \
+  (values ? decode_values<GB>(vrow, sg, og, nk, D) : decode_scores<GB>(krow, qg, sg, nk, D))
+    switch (std::min<int64_t>(4, G - g0)) {
+      case 1: COREKV_DECODE_PART(1); break;
+      case 2: COREKV_DECODE_PART(2); break;
+      case 3: COREKV_DECODE_PART(3); break;
+      default: COREKV_DECODE_PART(4); break;
+    }
+#undef COREKV_DECODE_PART
+  }
+}
+
+// One task per (KV head, row), flash-attention style over tiles of KT keys: the G scores of each
+// key, a running max and sum per query row (the tile's exps as vector operations over its keys),
+// then the values weighted into G x D accumulators. Tasks go head by head, each taken by whichever
+// thread is free: rows that start with the same blocks (a shared system prompt) read them while the
+// previous row's task left them in cache, so the kernel needs no cascade of its own.
+template <typename T>
+void decode(const float* q, const T* k_pool, const T* v_pool, const int64_t* tables, const int64_t* lens,
+            float* out, float* lse, int64_t R, int64_t H, int64_t G, int64_t D, int64_t block_size,
+            int64_t block_stride, int64_t max_blocks, float scale) {
+  std::atomic<int64_t> next{0};
+  const int64_t num_tasks = R * H;
+  at::parallel_for(0, std::min<int64_t>(at::get_num_threads(), num_tasks), 1, [&](int64_t, int64_t) {
+    std::vector<float> qs(G * D), o(G * D), s(G * KT), m(G), l(G);
+    const T* krow[KT];
+    const T* vrow[KT];
+    for (int64_t task; (task = next.fetch_add(1)) < num_tasks;) {
+      const int64_t h = task / R, r = task % R, n = lens[r];
+      const int64_t* table = tables + r * max_blocks;
+      const int64_t base = (r * H + h) * G * D;
+      for (int64_t i = 0; i < G * D; ++i) qs[i] = q[base + i] * scale;
+      std::fill(o.begin(), o.end(), 0.f);
+      std::fill(m.begin(), m.end(), HIDDEN);
+      std::fill(l.begin(), l.end(), 0.f);
+      for (int64_t t0 = 0; t0 < n; t0 += KT) {
+        const int nk = static_cast<int>(std::min<int64_t>(KT, n - t0));
+        for (int j = 0; j < nk; ++j) {
+          const int64_t key = t0 + j;
+          const int64_t off = table[key / block_size] * block_stride + ((key % block_size) * H + h) * D;
+          krow[j] = k_pool + off;
+          vrow[j] = v_pool + off;
+          // NOTE: the rows of a tile lie in blocks anywhere in the pool: asking for all their lines
+          // now keeps many misses in flight, where the loads alone wait for one row at a time
+          for (int64_t b = 0; b < D * static_cast<int64_t>(sizeof(T)); b += 64) {
+            __builtin_prefetch(reinterpret_cast<const char*>(krow[j]) + b);
+            __builtin_prefetch(reinterpret_cast<const char*>(vrow[j]) + b);
+          }
+        }
+        decode_tile(krow, vrow, qs.data(), s.data(), o.data(), nk, G, D, false);
+        for (int64_t g = 0; g < G; ++g) {
+          float* sg = s.data() + g * KT;
+          for (int j = nk; j < KT; ++j) sg[j] = HIDDEN;  // the tile's tail: weight 0
+          vf mv = splat(m[g]);
+          for (int j = 0; j < KT; j += VL) mv = mv > load(sg + j) ? mv : load(sg + j);
+          float mx = mv[0];
+          for (int i = 1; i < VL; ++i) mx = std::max(mx, mv[i]);
+          vf sum = splat(0.f);
+          for (int j = 0; j < KT; j += VL) {
+            const vf p = vexp(load(sg + j) - mx);
+            store(sg + j, p);
+            sum += p;
+          }
+          const float alpha = std::exp(m[g] - mx);  // what came before, rescaled to the new max
+          for (int64_t d = 0; d < D; ++d) o[g * D + d] *= alpha;
+          l[g] = l[g] * alpha + hsum(sum);
+          m[g] = mx;
+        }
+        decode_tile(krow, vrow, qs.data(), s.data(), o.data(), nk, G, D, true);
+      }
+      for (int64_t g = 0; g < G; ++g) {
+        const float inv = 1.f / l[g];
+        for (int64_t d = 0; d < D; ++d) out[base + g * D + d] = o[g * D + d] * inv;
+        lse[(r * H + h) * G + g] = m[g] + std::log(l[g]);
+      }
+    }
+  });
+}
+
+// ---- paged_prefill ---------------------------------------------------------------------------
+// A task is (chunk, KV head, VL consecutive queries of the chunk): its G x VL query rows are held
+// transposed, one vector lane per query token, so scores, softmax and the weighted values of a tile
+// of keys are all vector operations over those lanes; each key and value row of the pool is read as
+// scalars broadcast against them. Flash-attention style: a running max and sum per row, no scores
+// matrix beyond one tile, no mask tensor (a key after a query's position is hidden in the kernel).
+
+// One pool row of D values as float32: the row itself, or its bfloat16 bits widened into buf.
+inline const float* as_float(const float* src, float*, int64_t) { return src; }
+inline const float* as_float(const at::BFloat16* src, float* buf, int64_t D) {
+  const uint16_t* bits = reinterpret_cast<const uint16_t*>(src);
+  uint32_t* out = reinterpret_cast<uint32_t*>(buf);
+#pragma omp simd
+  for (int64_t d = 0; d < D; ++d) out[d] = static_cast<uint32_t>(bits[d]) << 16;
+  return buf;
+}
+
 inline void from_float(float x, float* out) { *out = x; }
 inline void from_float(float x, at::BFloat16* out) { *out = static_cast<at::BFloat16>(x); }
 
@@ -292,15 +390,6 @@ constexpr int64_t PANEL = NVEC * VL;  // outputs per panel
 constexpr int ROWS = 6;               // rows of x per block of accumulators
 constexpr int64_t DEPTH = 128;        // k per slice of a panel (at most 32 KiB: in L1 for every block of rows)
 constexpr int64_t PREFETCH = 4096;    // bytes of panel ahead
-
-inline vf load(const at::BFloat16* p) {
-  vh h;
-  std::memcpy(&h, p, sizeof h);
-  const vu bits = __builtin_convertvector(h, vu) << 16;
-  vf v;
-  std::memcpy(&v, &bits, sizeof v);
-  return v;
-}
 
 // out[r][0:PANEL] (+)= sum_{k0 <= k < k1} x[r][k] * panel[k][0:PANEL] for R rows.
 template <int R, typename W>

@@ -47,13 +47,16 @@ def reference(q, k_pool, v_pool, tables, lens, scale):
 
 @pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_native_decode_equals_a_float64_softmax_over_the_rows_blocks(dtype, isa):
-    """Rows of 1 token, part of a block, whole blocks and many blocks, from a real KVPool's layer
-    views (blocks strided by the other layers); the tables' padding and every unused block hold
-    NaN, so reading past a row's length would show."""
+@pytest.mark.parametrize("group,dim", [(4, 64), (3, 68), (5, 64)])
+def test_native_decode_equals_a_float64_softmax_over_the_rows_blocks(dtype, isa, group, dim):
+    """Rows of 1 token, part of a block, whole blocks and many blocks (several key tiles), from a
+    real KVPool's layer views (blocks strided by the other layers); the tables' padding and every
+    unused block hold NaN, so reading past a row's length would show. Query heads per KV head of
+    4, 3 and 5 (the kernel takes them up to 4 at a time) and a head size that is not a whole number
+    of vectors (68: its last dims take the scalar tail)."""
     torch.manual_seed(0)
-    # 2 KV heads of 4 query heads each: a mix-up of the two counts in the kernel's indexing shows
-    pool = KVPool(num_layers=3, num_blocks=40, block_size=16, num_kv_heads=2, head_dim=64, dtype=dtype, device="cpu")
+    # 2 KV heads of several query heads each: a mix-up of the two counts in the kernel's indexing shows
+    pool = KVPool(num_layers=3, num_blocks=40, block_size=16, num_kv_heads=2, head_dim=dim, dtype=dtype, device="cpu")
     pool.storage.fill_(float("nan"))
     k_pool, v_pool = pool.layer_kv(1)
     lens = torch.tensor([1, 7, 16, 32, 100, 129])
@@ -63,13 +66,13 @@ def test_native_decode_equals_a_float64_softmax_over_the_rows_blocks(dtype, isa)
         for j in range(-(-n // 16)):
             block = free.pop()
             tables[r, j] = block
-            k_pool[block] = torch.randn(16, 2, 64).to(dtype)
-            v_pool[block] = torch.randn(16, 2, 64).to(dtype)
+            k_pool[block] = torch.randn(16, 2, dim).to(dtype)
+            v_pool[block] = torch.randn(16, 2, dim).to(dtype)
         tail = n % 16
         if tail:  # positions past the length inside the row's last block: NaN again
             k_pool[tables[r, j], tail:] = float("nan")
             v_pool[tables[r, j], tail:] = float("nan")
-    q = torch.randn(len(lens), 2, 4, 64).to(dtype)
+    q = torch.randn(len(lens), 2, group, dim).to(dtype)
     out, lse = kernels_for(isa).decode(q, k_pool, v_pool, tables, lens, 0.125)
     expected_out, expected_lse = reference(q, k_pool, v_pool, tables, lens, 0.125)
     assert out.dtype == lse.dtype == torch.float32 and out.shape == q.shape and lse.shape == q.shape[:3]
