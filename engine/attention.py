@@ -79,8 +79,14 @@ _step = threading.local()
 
 def in_native_step() -> bool:
     """True inside :func:`forward_context` of a step that runs the native kernels, on this thread."""
+    return native_kernels() is not None
+
+
+def native_kernels():
+    """The native kernels of the step this thread runs (:class:`~corekv.engine.cpu.native.NativeKernels`),
+    or None outside a step or in a torch-path one."""
     meta = getattr(_step, "meta", None)
-    return meta is not None and meta.native is not None
+    return None if meta is None else meta.native
 
 
 def _refuse_unsupported(module, kwargs) -> None:

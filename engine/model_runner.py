@@ -18,6 +18,7 @@ from corekv.errors import CoreKVError
 from corekv.engine.attention import ATTENTION_NAME, forward_context
 from corekv.engine.step_metadata import (AttentionMetadata, DecodeGroup, PrefillBatch, PrefillGroup, PrefillSlice,
                                          ShortChunkGroup)
+from corekv.engine.cpu.elementwise import use_native_elementwise
 from corekv.engine.cpu.linears import use_native_linears
 from corekv.engine.kv_pool import KVPool
 from corekv.engine.models import LoadedModel
@@ -106,6 +107,7 @@ class ModelRunner:
         self._native = load_native_attention() if native else None
         if self._native is not None:
             use_native_linears(self.model, self._native)
+            use_native_elementwise(self.model)
 
     @torch.inference_mode()
     def execute(self, chunks: Sequence[ScheduledChunk]) -> torch.Tensor:

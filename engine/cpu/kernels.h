@@ -42,6 +42,16 @@ struct IsaKernels {
   // small_linear.cpp: out [M, panels * panel] = x [M, K] (float32) times the packed panels
   void (*linear_f32)(const float* x, const float* packed, float* out, int64_t M, int64_t K, int64_t panels);
   void (*linear_bf16)(const float* x, const at::BFloat16* packed, float* out, int64_t M, int64_t K, int64_t panels);
+  // elementwise.cpp: a decoder layer's RMSNorm, gated SiLU and rotary embedding, in the tensors' dtype
+  void (*rms_norm_f32)(const float* x, const float* w, float* out, int64_t rows, int64_t n, float eps);
+  void (*rms_norm_bf16)(const at::BFloat16* x, const at::BFloat16* w, at::BFloat16* out, int64_t rows, int64_t n,
+                        float eps);
+  void (*silu_mul_f32)(const float* gate, const float* up, float* out, int64_t n);
+  void (*silu_mul_bf16)(const at::BFloat16* gate, const at::BFloat16* up, at::BFloat16* out, int64_t n);
+  void (*rotary_f32)(const float* x, const float* cos, const float* sin, float* out, int64_t tokens, int64_t heads,
+                     int64_t D, int64_t token_stride, int64_t head_stride);
+  void (*rotary_bf16)(const at::BFloat16* x, const at::BFloat16* cos, const at::BFloat16* sin, at::BFloat16* out,
+                      int64_t tokens, int64_t heads, int64_t D, int64_t token_stride, int64_t head_stride);
 };
 
 // The tables this build holds, widest first (isa_*.cpp).
@@ -58,6 +68,8 @@ extern const IsaKernels generic_kernels;
 // restored the build's own target, so `supported` runs on every CPU).
 #define COREKV_TABLE(ns, supported)                                                                  \
   {#ns, ns::PANEL, supported, &ns::decode<float>, &ns::decode<at::BFloat16>, &ns::prefill<float>,    \
-   &ns::prefill<at::BFloat16>, &ns::panels_times_rows<float>, &ns::panels_times_rows<at::BFloat16>}
+   &ns::prefill<at::BFloat16>, &ns::panels_times_rows<float>, &ns::panels_times_rows<at::BFloat16>,             \
+   &ns::rms_norm<float>, &ns::rms_norm<at::BFloat16>, &ns::silu_mul<float>, &ns::silu_mul<at::BFloat16>,         \
+   &ns::rotary<float>, &ns::rotary<at::BFloat16>}
 
 }  // namespace corekv_native

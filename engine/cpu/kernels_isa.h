@@ -438,6 +438,82 @@ void panels_times_rows(const float* xp, const W* wp, float* op, int64_t M, int64
   });
 }
 
+// ---- elementwise: a decoder layer's RMSNorm, gated SiLU and rotary embedding ------------------
+// Each computes what its Hugging Face Llama counterpart computes, in float32, rounding to bfloat16
+// at the points where that one does (so a bfloat16 model's values are the same up to summation
+// order and the exp's last bits). Lengths are whole vectors (elementwise.cpp checks).
+
+inline vu bits_of(vf v) { vu b; std::memcpy(&b, &v, sizeof v); return b; }
+inline vf float_of(vu b) { vf v; std::memcpy(&v, &b, sizeof v); return v; }
+// bfloat16 bits of v, rounded to nearest even (as c10::BFloat16; no NaNs under -ffast-math)
+inline vu bfloat16_bits(vf v) {
+  const vu b = bits_of(v);
+  return (b + 0x7FFFu + ((b >> 16) & 1u)) >> 16;
+}
+// v as a T would hold it: unchanged for float32, rounded for bfloat16
+inline vf as_stored(vf v, const float*) { return v; }
+inline vf as_stored(vf v, const at::BFloat16*) { return float_of(bfloat16_bits(v) << 16); }
+inline void store(at::BFloat16* p, vf v) {
+  const vh h = __builtin_convertvector(bfloat16_bits(v), vh);
+  std::memcpy(p, &h, sizeof h);
+}
+
+// Rows of at least this many elements per thread: less work is not worth waking another thread for.
+constexpr int64_t ELEMENTWISE_GRAIN = 16384;
+
+// out[r] = w * stored(x[r] / sqrt(mean(x[r]^2) + eps)) for `rows` rows of n (LlamaRMSNorm).
+template <typename T>
+void rms_norm(const T* x, const T* w, T* out, int64_t rows, int64_t n, float eps) {
+  at::parallel_for(0, rows, std::max<int64_t>(1, ELEMENTWISE_GRAIN / n), [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const T* xr = x + r * n;
+      vf acc = splat(0.f);
+      for (int64_t i = 0; i < n; i += VL) {
+        const vf v = load(xr + i);
+        acc += v * v;
+      }
+      const float inv = 1.f / std::sqrt(hsum(acc) / static_cast<float>(n) + eps);
+      for (int64_t i = 0; i < n; i += VL) store(out + r * n + i, load(w + i) * as_stored(load(xr + i) * inv, xr));
+    }
+  });
+}
+
+// out = stored(silu(gate)) * up, elementwise over n values (LlamaMLP's act_fn(gate_proj) * up_proj).
+template <typename T>
+void silu_mul(const T* gate, const T* up, T* out, int64_t n) {
+  at::parallel_for(0, n / VL, std::max<int64_t>(1, ELEMENTWISE_GRAIN / VL), [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin * VL; i < end * VL; i += VL) {
+      const vf x = load(gate + i);
+      const vf e = vexp(x > 0.f ? -x : x);  // exp(-|x|) <= 1: no overflow either side
+      const vf silu = (x > 0.f ? x : x * e) / (1.f + e);
+      store(out + i, as_stored(silu, gate) * load(up + i));
+    }
+  });
+}
+
+// Rotary embedding of `tokens` x `heads` rows of D (LlamaAttention's apply_rotary_pos_emb, the
+// rotate_half form): out = stored(x * cos) + stored(rotate_half(x) * sin), cos and sin [tokens, D],
+// x's rows `token_stride` / `head_stride` elements apart, out [tokens, heads, D] contiguous.
+template <typename T>
+void rotary(const T* x, const T* cos, const T* sin, T* out, int64_t tokens, int64_t heads, int64_t D,
+            int64_t token_stride, int64_t head_stride) {
+  const int64_t half = D / 2;
+  at::parallel_for(0, tokens * heads, std::max<int64_t>(1, ELEMENTWISE_GRAIN / D), [&](int64_t begin, int64_t end) {
+    for (int64_t row = begin; row < end; ++row) {
+      const int64_t t = row / heads, h = row % heads;
+      const T* xr = x + t * token_stride + h * head_stride;
+      const T* c = cos + t * D;
+      const T* s = sin + t * D;
+      T* o = out + row * D;
+      for (int64_t i = 0; i < half; i += VL) {
+        const vf x1 = load(xr + i), x2 = load(xr + half + i);
+        store(o + i, as_stored(x1 * load(c + i), xr) - as_stored(x2 * load(s + i), xr));
+        store(o + half + i, as_stored(x2 * load(c + half + i), xr) + as_stored(x1 * load(s + half + i), xr));
+      }
+    }
+  });
+}
+
 }  // namespace
 }  // namespace COREKV_ISA
 }  // namespace corekv_native

@@ -9,8 +9,10 @@ layer each, where the torch path copies the blocks into contiguous buffers and c
 * ``paged_prefill``: every prefill chunk of the step, causally over its sequence's blocks: no
   gather, no mask tensor, no merge of a shared prefix's and a chunk's own parts.
 
-and ``small_linear`` multiplies a decode step's few rows by a float32 or bfloat16 weight packed into
-panels (:mod:`corekv.engine.cpu.linears` wires it into the model's Linear layers).
+``small_linear`` multiplies a decode step's few rows by a float32 or bfloat16 weight packed into
+panels (:mod:`corekv.engine.cpu.linears` wires it into the model's Linear layers), and ``rms_norm``,
+``silu_mul`` and ``rotary`` are a Llama decoder layer's elementwise ops in one pass each
+(:mod:`corekv.engine.cpu.elementwise` wires them in).
 
 NOTE: compiled with -ffast-math, because a vectorised exp and reordered sums are what make the
 kernels fast (a strict build is much slower: BENCHMARKS.md, "Native decode attention"); that is
@@ -44,7 +46,8 @@ import torch
 from corekv.errors import CoreKVError, describe_exception
 
 SOURCES = [Path(__file__).with_name(name) for name in
-           ("paged_attention.cpp", "small_linear.cpp", "isa_avx512.cpp", "isa_avx2.cpp", "isa_generic.cpp")]
+           ("paged_attention.cpp", "small_linear.cpp", "elementwise.cpp", "isa_avx512.cpp", "isa_avx2.cpp",
+            "isa_generic.cpp")]
 #: pool dtypes the kernels read (a float16 model keeps the torch path)
 NATIVE_DTYPES = (torch.float32, torch.bfloat16)
 #: the built extension module (its submodules: one per instruction set this CPU runs)
@@ -69,6 +72,13 @@ class NativeKernels(NamedTuple):
     pack_linear_weight: Callable
     #: ``(x [rows, in], packed, bias | None) -> [rows, out]``, all of the packed weight's dtype
     small_linear: Callable
+    #: ``(x [..., n], weight [n], eps) -> out`` (LlamaRMSNorm; n a multiple of 16)
+    rms_norm: Callable
+    #: ``(gate, up) -> silu(gate) * up`` (LlamaMLP's activation; a multiple of 16 values)
+    silu_mul: Callable
+    #: ``(x [1, heads, tokens, D], cos [1, tokens, D], sin) -> x rotated`` (apply_rotary_pos_emb's
+    #: rotate_half form for one of q and k; D a multiple of 32)
+    rotary: Callable
     #: the instruction set whose code they run: ``avx512``, ``avx2`` or ``generic``
     isa: str
 
@@ -95,7 +105,8 @@ def load_native_attention(isa: str | None = None) -> NativeKernels:
         raise NativeBuildError(f"corekv's native kernels for {isa!r}: this build and CPU run {built}; pick one of them")
     if isa not in _kernels:
         sub = getattr(module, isa)
-        _kernels[isa] = NativeKernels(sub.paged_decode, sub.paged_prefill, sub.pack_linear_weight, sub.small_linear, isa)
+        _kernels[isa] = NativeKernels(sub.paged_decode, sub.paged_prefill, sub.pack_linear_weight, sub.small_linear,
+                                      sub.rms_norm, sub.silu_mul, sub.rotary, isa)
     return _kernels[isa]
 
 

@@ -125,6 +125,9 @@ void paged_prefill(const IsaKernels& isa, const torch::Tensor& q, const torch::T
 torch::Tensor pack_linear_weight(const IsaKernels& isa, const torch::Tensor& weight);  // small_linear.cpp
 torch::Tensor small_linear(const IsaKernels& isa, const torch::Tensor& x, const torch::Tensor& packed,
                            const c10::optional<torch::Tensor>& bias);
+torch::Tensor rms_norm(const IsaKernels& isa, const torch::Tensor& x, const torch::Tensor& weight, double eps);  // elementwise.cpp
+torch::Tensor silu_mul(const IsaKernels& isa, const torch::Tensor& gate, const torch::Tensor& up);
+torch::Tensor rotary(const IsaKernels& isa, const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin);
 
 namespace {
 // The instruction sets this build holds, widest first.
@@ -138,7 +141,7 @@ const IsaKernels* const COMPILED[] = {
 }  // namespace
 
 // One submodule per instruction set this build holds and this CPU runs (`isas()`, widest first),
-// each with the four kernels bound to that set's code.
+// each with the kernels bound to that set's code.
 // NOTE: the GIL is released while they run: the engine steps in its own thread beside a server's event loop.
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   std::vector<std::string> names;
@@ -160,6 +163,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     sub.def("small_linear", [isa](const torch::Tensor& x, const torch::Tensor& packed,
                                   const c10::optional<torch::Tensor>& bias) {
       return small_linear(*isa, x, packed, bias);
+    }, release);
+    sub.def("rms_norm", [isa](const torch::Tensor& x, const torch::Tensor& weight, double eps) {
+      return rms_norm(*isa, x, weight, eps);
+    }, release);
+    sub.def("silu_mul", [isa](const torch::Tensor& gate, const torch::Tensor& up) { return silu_mul(*isa, gate, up); },
+            release);
+    sub.def("rotary", [isa](const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin) {
+      return rotary(*isa, x, cos, sin);
     }, release);
     sub.attr("panel") = isa->panel;
   }

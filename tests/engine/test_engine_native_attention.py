@@ -360,3 +360,108 @@ def test_native_linears_serve_only_a_native_runners_decode_sized_steps(dtype, mo
                 assert torch.equal(module(x), before[rows])
     assert calls == [rows for rows in all_rows if least <= rows <= most for _ in range(2)]
 
+
+
+def _close_to_hf(out, expected):
+    """Equal up to float32 summation order (and the kernels' exp); bfloat16: a unit in the last
+    place at most, in few values (the kernels round where Hugging Face's code rounds)."""
+    assert out.dtype == expected.dtype and out.shape == expected.shape
+    if out.dtype == torch.float32:
+        torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-6)
+    else:
+        torch.testing.assert_close(out.float(), expected.float(), rtol=2 ** -7, atol=1e-6)
+        assert (out != expected).float().mean() < 0.02
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_native_elementwise_kernels_compute_what_the_llama_code_computes(dtype, isa):
+    """rms_norm, silu_mul and rotary against the Hugging Face Llama code they stand in for, at
+    SmolLM2's sizes (hidden 576, head size 64, 9 query and 3 KV heads): the SiLU over ordinary
+    values and both tails (exp(-x) overflows float32 past 88), the rotary embedding on queries and
+    keys laid out as the projections write them, at positions far from 0. bfloat16's rotary rounds
+    each product as the Hugging Face code does, so it is equal bit for bit."""
+    from transformers import LlamaConfig
+    from transformers.models.llama import modeling_llama as llama
+
+    kernels = kernels_for(isa)
+    torch.manual_seed(0)
+    norm = llama.LlamaRMSNorm(576, eps=1e-5).to(dtype)
+    with torch.no_grad():
+        norm.weight.copy_(torch.rand(576) * 2)
+    x = (torch.randn(1, 7, 576) * 3).to(dtype)
+    _close_to_hf(kernels.rms_norm(x, norm.weight, norm.variance_epsilon), norm(x))
+
+    tails = torch.tensor([-100.0, -30.0, -1e-3, 0.0, 1e-3, 30.0, 100.0, 0.5])
+    gate = torch.cat([torch.randn(1008) * 4, tails, -tails]).to(dtype)
+    up = torch.randn(len(gate)).to(dtype)
+    _close_to_hf(kernels.silu_mul(gate, up), F.silu(gate) * up)
+
+    config = LlamaConfig(hidden_size=576, num_attention_heads=9, num_key_value_heads=3, head_dim=64,
+                         rope_theta=100000.0)
+    tokens = 21
+    q = torch.randn(1, tokens, 9, 64).to(dtype).transpose(1, 2)
+    k = torch.randn(1, tokens, 3, 64).to(dtype).transpose(1, 2)
+    cos, sin = llama.LlamaRotaryEmbedding(config)(q, torch.arange(1000, 1000 + tokens)[None])
+    expected_q, expected_k = llama.apply_rotary_pos_emb(q, k, cos, sin)  # outside a step: the original
+    for x, expected in ((q, expected_q), (k, expected_k)):
+        out = kernels.rotary(x, cos, sin)
+        assert out.transpose(1, 2).is_contiguous()  # [1, tokens, heads, D] in memory, as x
+        if dtype == torch.bfloat16:
+            assert torch.equal(out, expected)
+        else:
+            _close_to_hf(out, expected)
+
+
+def test_native_elementwise_kernels_check_their_arguments():
+    kernels = load_native_attention()
+    with pytest.raises(RuntimeError, match="rms_norm: x"):
+        kernels.rms_norm(torch.zeros(2, 24), torch.ones(24), 1e-6)
+    with pytest.raises(RuntimeError, match="all of one dtype"):
+        kernels.rms_norm(torch.zeros(2, 32), torch.ones(32, dtype=torch.bfloat16), 1e-6)
+    with pytest.raises(RuntimeError, match="silu_mul: gate and up of one shape"):
+        kernels.silu_mul(torch.zeros(32), torch.zeros(16))
+    with pytest.raises(RuntimeError, match="rotary: x must be"):
+        kernels.rotary(torch.zeros(1, 2, 3, 48), torch.zeros(1, 3, 48), torch.zeros(1, 3, 48))
+    with pytest.raises(RuntimeError, match="rotary: cos and sin"):
+        kernels.rotary(torch.zeros(1, 2, 3, 64), torch.zeros(1, 4, 64), torch.zeros(1, 4, 64))
+
+
+def test_native_elementwise_serves_only_a_native_runners_steps():
+    """A native runner wires a tiny Llama (head size 32, so every kernel takes it): inside its steps
+    each RMSNorm, MLP and rotary embedding runs its kernel (calls counted through the real kernels)
+    and the logits equal a torch-path runner's; plain Hugging Face calls give what they gave before
+    the wiring, bit for bit, and wiring twice wraps nothing twice."""
+    from collections import Counter
+
+    from transformers.models.llama import modeling_llama as llama
+
+    from corekv.engine.model_runner import ModelRunner, ScheduledChunk
+    from corekv.engine.tiny_model import make_tiny_llama
+
+    loaded = make_tiny_llama(hidden_size=128, num_heads=4)  # its own model: wiring changes the modules' forward
+    ids = torch.randint(3, 300, (1, 40))
+    before = loaded.model(ids).logits
+    torch_runner = ModelRunner(loaded, KVPool(loaded.num_layers, 8, 16, loaded.num_kv_heads, loaded.head_dim,
+                                              loaded.dtype, "cpu"), native=False)
+    expected = torch_runner.execute([ScheduledChunk(ids[0].tolist(), 0, [0, 1, 2])])
+    runner = ModelRunner(loaded, KVPool(loaded.num_layers, 8, 16, loaded.num_kv_heads, loaded.head_dim,
+                                        loaded.dtype, "cpu"), native=True)
+    rotary = llama.apply_rotary_pos_emb
+    ModelRunner(loaded, runner.kv_pool, native=True)
+    assert llama.apply_rotary_pos_emb is rotary
+    calls = Counter()
+
+    def counted(name):
+        kernel = getattr(runner._native, name)
+
+        def call(*args):
+            calls[name] += 1
+            return kernel(*args)
+        return call
+    runner._native = runner._native._replace(**{name: counted(name) for name in ("rms_norm", "silu_mul", "rotary")})
+    logits = runner.execute([ScheduledChunk(ids[0].tolist(), 0, [0, 1, 2])])
+    layers = loaded.num_layers
+    assert calls == {"rms_norm": 2 * layers + 1, "silu_mul": layers, "rotary": 2 * layers}
+    torch.testing.assert_close(logits, expected, rtol=1e-4, atol=1e-4)
+    assert torch.equal(loaded.model(ids).logits, before)
