@@ -8,7 +8,10 @@
 #include <atomic>
 #include <cmath>
 #include <cstring>
+#include <type_traits>
 #include <vector>
+
+#include <immintrin.h>
 
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512vl,avx512bw,avx512dq,avx2,fma,f16c")
@@ -16,6 +19,7 @@
 #define COREKV_VL 16
 #define COREKV_REGISTERS 32
 #define COREKV_NVEC 4
+#define COREKV_BF16_DOT 1  // bfloat16 prefill scores by AVX-512 BF16 where the CPU has it (checked at run time)
 #include "kernels_isa.h"
 #pragma GCC pop_options
 

@@ -294,6 +294,68 @@ void tile(const float* const* krow, const float* const* vrow, const float* qt, f
   }
 }
 
+#if COREKV_BF16_DOT
+inline bool bf16_dot_supported() {
+  static const bool supported = __builtin_cpu_supports("avx512bf16");
+  return supported;
+}
+
+// NOTE: only the functions up to pop_options are compiled for AVX-512 BF16; prefill, which every
+// AVX-512 CPU runs, calls them only where the CPU has it, through one call that is never inlined.
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512vl,avx512bw,avx512dq,avx2,fma,f16c,avx512bf16")
+
+// bfloat16 scores by AVX-512 BF16's pair dot products, where the CPU has them: each instruction
+// multiplies two dims of a key (one 32-bit broadcast straight from the pool row, no widening) with
+// the same two dims of 16 queries and adds both products to their float32 sums, half the
+// instructions of the float32 scores. qp holds the unscaled queries as [D / 2][G][VL] pairs, dim
+// 2i in the low half (the instruction's pair order); scores come out unscaled.
+template <int NV, int KB>
+inline void scores_block_bf16(const uint16_t* const* kp, const uint32_t* qp, float* s, int j0, int kb, int g0, int G,
+                              int D) {
+  __m512 acc[KB][NV];
+  for (int k = 0; k < KB; ++k)
+    for (int v = 0; v < NV; ++v) acc[k][v] = _mm512_setzero_ps();
+  auto step = [&](int dp, int keys) {
+    __m512bh q[NV];
+    for (int v = 0; v < NV; ++v) q[v] = (__m512bh)_mm512_loadu_si512(qp + (dp * G + g0 + v) * VL);
+    for (int k = 0; k < keys; ++k) {
+      int pair;  // dims 2 dp and 2 dp + 1 of the key
+      std::memcpy(&pair, kp[j0 + k] + 2 * dp, sizeof pair);
+      const __m512bh kk = (__m512bh)_mm512_set1_epi32(pair);
+      for (int v = 0; v < NV; ++v) acc[k][v] = _mm512_dpbf16_ps(acc[k][v], kk, q[v]);
+    }
+  };
+  if (kb == KB) {
+    for (int dp = 0; dp < D / 2; ++dp) step(dp, KB);
+  } else {
+    for (int dp = 0; dp < D / 2; ++dp) step(dp, kb);
+  }
+  for (int k = 0; k < kb; ++k)
+    for (int v = 0; v < NV; ++v) _mm512_storeu_ps(s + ((j0 + k) * G + g0 + v) * VL, acc[k][v]);
+}
+
+template <int NV>
+inline void scores_part_bf16(const uint16_t* const* kp, const uint32_t* qp, float* s, int nk, int g0, int G, int D) {
+  constexpr int B = NV == 1 ? ACCUMULATORS * 2 / 3 : ACCUMULATORS / NV;
+  for (int j0 = 0; j0 < nk; j0 += B) scores_block_bf16<NV, B>(kp, qp, s, j0, std::min(B, nk - j0), g0, G, D);
+}
+
+// One tile's unscaled scores from bfloat16 keys and query pairs.
+__attribute__((noinline)) void scores_tile_bf16(const uint16_t* const* kp, const uint32_t* qp,
+                                                                        float* s, int nk, int G, int D) {
+  for (int g0 = 0; g0 < G; g0 += 4) {
+    switch (std::min(4, G - g0)) {
+      case 1: scores_part_bf16<1>(kp, qp, s, nk, g0, G, D); break;
+      case 2: scores_part_bf16<2>(kp, qp, s, nk, g0, G, D); break;
+      case 3: scores_part_bf16<3>(kp, qp, s, nk, g0, G, D); break;
+      default: scores_part_bf16<4>(kp, qp, s, nk, g0, G, D); break;
+    }
+  }
+}
+#pragma GCC pop_options
+#endif
+
 struct Task {
   int64_t chunk, head, first;  // first: the task's first query, counted within its chunk
   int64_t keys;                // keys it attends (its cost)
@@ -310,24 +372,41 @@ void prefill(const T* q, int64_t q_stride_t, int64_t q_stride_h, const T* k_pool
   // NOTE: costliest first, each taken by whichever thread is free: a long chunk's later queries
   // see many more keys than its first ones, so an even split of the list would be uneven work.
   std::stable_sort(tasks.begin(), tasks.end(), [](const Task& a, const Task& b) { return a.keys > b.keys; });
+  // bfloat16 keys on a CPU with AVX-512 BF16: scores by its dot products (scores_tile_bf16)
+#if COREKV_BF16_DOT
+  const bool dot = std::is_same<T, at::BFloat16>::value && D % 2 == 0 && bf16_dot_supported();
+#else
+  const bool dot = false;
+#endif
+  const float score_scale = dot ? scale : 1.f;  // dot products have unscaled queries
   std::atomic<int64_t> next{0};
   const int64_t num_tasks = static_cast<int64_t>(tasks.size());
   at::parallel_for(0, std::min<int64_t>(at::get_num_threads(), num_tasks), 1, [&](int64_t, int64_t) {
     const int64_t rows = G * VL;  // one task's query rows: [G][VL lanes]
-    std::vector<float> qt(D * rows), ot(D * rows), s(KT * rows), m(rows), l(rows), alpha(rows), kbuf(KT * D),
-        vbuf(KT * D);
+    std::vector<float> qt(dot ? 0 : D * rows), ot(D * rows), s(KT * rows), m(rows), l(rows), alpha(rows),
+        kbuf(dot ? 0 : KT * D), vbuf(KT * D);
+    std::vector<uint32_t> qp(dot ? D / 2 * rows : 0);
     const float* krow[KT];
     const float* vrow[KT];
+    const uint16_t* kp[KT];
     for (int64_t t; (t = next.fetch_add(1)) < num_tasks;) {
       const int64_t c = tasks[t].chunk, h = tasks[t].head, i0 = tasks[t].first;
       const int64_t nq = std::min<int64_t>(VL, query_starts[c + 1] - query_starts[c] - i0);
       const int64_t pos0 = start_pos[c] + i0, num_keys = pos0 + nq;
       const int64_t* table = tables + c * max_blocks;
       // qt[d][g][lane] = scaled query of token i0 + lane (lanes past the chunk repeat its last query)
+      // (dot: qp[d / 2][g][lane] = the pair of unscaled dims d, d + 1)
       for (int64_t lane = 0; lane < VL; ++lane) {
         const T* qrow = q + (query_starts[c] + i0 + std::min(lane, nq - 1)) * q_stride_t + h * G * q_stride_h;
-        for (int64_t g = 0; g < G; ++g)
-          for (int64_t d = 0; d < D; ++d) qt[(d * G + g) * VL + lane] = to_float(qrow[g * q_stride_h + d]) * scale;
+        for (int64_t g = 0; g < G; ++g) {
+          if (dot) {
+            const uint16_t* bits = reinterpret_cast<const uint16_t*>(qrow + g * q_stride_h);
+            for (int64_t dp = 0; dp < D / 2; ++dp)
+              qp[(dp * G + g) * VL + lane] = bits[2 * dp] | static_cast<uint32_t>(bits[2 * dp + 1]) << 16;
+          } else {
+            for (int64_t d = 0; d < D; ++d) qt[(d * G + g) * VL + lane] = to_float(qrow[g * q_stride_h + d]) * scale;
+          }
+        }
       }
       std::fill(ot.begin(), ot.end(), 0.f);
       std::fill(m.begin(), m.end(), HIDDEN);
@@ -339,21 +418,27 @@ void prefill(const T* q, int64_t q_stride_t, int64_t q_stride_h, const T* k_pool
         for (int j = 0; j < nk; ++j) {
           const int64_t key = t0 + j;
           const int64_t off = table[key / block_size] * block_stride + ((key % block_size) * H + h) * D;
-          krow[j] = as_float(k_pool + off, kbuf.data() + j * D, D);
+          if (dot)
+            kp[j] = reinterpret_cast<const uint16_t*>(k_pool + off);
+          else
+            krow[j] = as_float(k_pool + off, kbuf.data() + j * D, D);
           vrow[j] = as_float(v_pool + off, vbuf.data() + j * D, D);
         }
-        tile(krow, vrow, qt.data(), s.data(), alpha.data(), ot.data(), nk, G, D, false);
+#if COREKV_BF16_DOT
+        if (dot)
+          scores_tile_bf16(kp, qp.data(), s.data(), nk, static_cast<int>(G), static_cast<int>(D));
+        else
+#endif
+          tile(krow, vrow, qt.data(), s.data(), alpha.data(), ot.data(), nk, G, D, false);
         // online softmax per row: rescale what came before by exp(old max - new max)
         const bool diagonal = t0 + nk - 1 > pos0;  // some key of the tile is after some query
         for (int64_t g = 0; g < G; ++g) {
           vf mx = load(m.data() + g * VL);
           for (int j = 0; j < nk; ++j) {
             float* sj = s.data() + (j * G + g) * VL;
-            vf sv = load(sj);
-            if (diagonal) {
-              sv = splat(static_cast<float>(t0 + j)) > pos ? splat(HIDDEN) : sv;
-              store(sj, sv);
-            }
+            vf sv = load(sj) * score_scale;
+            if (diagonal) sv = splat(static_cast<float>(t0 + j)) > pos ? splat(HIDDEN) : sv;
+            if (diagonal || dot) store(sj, sv);
             mx = mx > sv ? mx : sv;
           }
           vf sum = splat(0.f);

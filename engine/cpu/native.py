@@ -22,8 +22,9 @@ that changes the process's floating-point mode (flush-to-zero) is linked in.
 One build holds the kernels for several instruction sets and the CPU chooses at run time: on x86-64
 with GCC, AVX-512 and AVX2 + FMA code (``isa_avx512.cpp``, ``isa_avx2.cpp``), each with the register
 blocking of its own register file; the rest of the build targets the baseline x86-64, so the same
-build runs on every x86-64 CPU with AVX2. Elsewhere (another architecture, or another compiler) one
-``generic`` set, built with ``-march=native`` for the building machine. :func:`load_native_attention`
+build runs on every x86-64 CPU with AVX2 (within the AVX-512 code, a bfloat16 prefill's scores use
+AVX-512 BF16's pair dot products where the CPU has them, checked at run time). Elsewhere (another
+architecture, or another compiler) one ``generic`` set, built with ``-march=native`` for the building machine. :func:`load_native_attention`
 gives the widest set both this CPU and torch's ``ATEN_CPU_CAPABILITY`` allow
 (:func:`corekv.engine.cpu.isa.native_isa`), or the one named (a test runs the AVX2 code on an
 AVX-512 machine that way).
