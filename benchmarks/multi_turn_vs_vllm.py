@@ -14,7 +14,8 @@ only (tcmalloc and the venv's Intel OpenMP, as vLLM's CPU docs recommend), never
 Workload: ``--conversations`` chats of ``--turns`` turns share one system prompt (``--system-tokens``
 of real text: the seed documents, ``--seeds``, tokenized). Turn t's prompt is the whole
 conversation so far through SmolLM2's chat template: the system message, every earlier user
-message and assistant answer, and the new user message (``--user-tokens`` lo-hi of seed text);
+message and assistant answer, and the new user message (``--user-tokens`` lo-hi of seed text; with
+``--document-tokens`` the first one starts with a document of that many tokens, a chat over it);
 the answer appended after each turn is fixed seed text (``--answer-tokens`` lo-hi), not the
 generated one, so both engines get the same token ids on every turn whatever they generate.
 Every request generates ``--max-tokens`` tokens greedily (EOS ignored). Turns are interleaved as
@@ -87,7 +88,10 @@ def make_workload(tokenizer, encode, seed_text: str, args) -> list[list[list[int
     for c in range(args.conversations):
         messages, previous = [system], []
         for t in range(args.turns):
-            messages.append({"role": "user", "content": text(user_lo, user_hi)})
+            question = text(user_lo, user_hi)
+            if t == 0 and args.document_tokens:
+                question = text(args.document_tokens, args.document_tokens) + "\n\n" + question
+            messages.append({"role": "user", "content": question})
             ids = encode(messages)
             if ids[:len(previous)] != previous:
                 raise SystemExit(f"conversation {c}: turn {t + 1}'s prompt does not start with turn {t}'s "
@@ -388,6 +392,9 @@ def main() -> None:
     parser.add_argument("--system-tokens", type=int, default=256, help="tokens of the shared system prompt")
     parser.add_argument("--user-tokens", type=lambda s: tuple(map(int, s.split("-"))), default=(32, 64),
                         help="lo-hi tokens of each new user message")
+    parser.add_argument("--document-tokens", type=int, default=0,
+                        help="tokens of a document each conversation's first user message starts with (chat over a "
+                             "document; 0: none)")
     parser.add_argument("--answer-tokens", type=lambda s: tuple(map(int, s.split("-"))), default=(64, 128),
                         help="lo-hi tokens of each fixed assistant answer appended to the history")
     parser.add_argument("--max-tokens", type=int, default=16, help="tokens generated per request (greedy)")
@@ -423,6 +430,8 @@ def main() -> None:
     for name in ("conversations", "turns", "max_tokens", "repeats", "threads"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if args.document_tokens < 0:
+        parser.error(f"--document-tokens must be >= 0, got {args.document_tokens}")
     if not 0 < args.pool_fraction <= 1:
         parser.error(f"--pool-fraction must be in (0, 1], got {args.pool_fraction}")
     if not Path(args.vllm_python).exists():
@@ -444,6 +453,7 @@ def main() -> None:
     env = dict(cpu=cpu_flags(), torch=torch.__version__, python=sys.version.split()[0],
                start=time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()), load_start=os.getloadavg(),
                conversations=args.conversations, turns=args.turns, max_tokens=args.max_tokens,
+               document_tokens=args.document_tokens,
                prompt_tokens=prompt_tokens, working_set_blocks=ws_blocks, working_set_bytes=ws_blocks * block_bytes,
                pool_blocks=pool, vllm_blocks=pool // 2, pool_bytes=pool * block_bytes,
                max_prompt=max(map(len, turns[-1])), budget=args.budget, max_num_seqs=args.max_num_seqs,
@@ -477,7 +487,8 @@ def main() -> None:
         shutil.rmtree(workdir, ignore_errors=True)
     env.update(end=time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()), load_end=os.getloadavg())
     rows = summarize(runs, turns, args)
-    title = (f"{args.conversations} conversations x {args.turns} turns, pool = {args.pool_fraction:.0%} of the "
+    document = f" over a {args.document_tokens}-token document" if args.document_tokens else ""
+    title = (f"{args.conversations} conversations x {args.turns} turns{document}, pool = {args.pool_fraction:.0%} of the "
              f"working set, SmolLM2-135M float32, {os.cpu_count()} CPU cores")
     if args.json:
         Path(args.json).write_text(json.dumps(dict(env=env, rows=rows, title=title), indent=1))
