@@ -68,6 +68,20 @@ inline vf vexp(vf x) {
   return x < -80.f ? splat(0.f) : p * reinterpret_cast<const vf&>(bits);
 }
 
+// f.template operator()<N>(g0) for each group of N <= 4 query rows g0 .. g0 + N - 1 of G: the
+// attention kernels hold a group's accumulators in registers, so N is a compile-time constant.
+template <typename F>
+inline void in_row_groups(int64_t G, F&& f) {
+  for (int64_t g0 = 0; g0 < G; g0 += 4) {
+    switch (std::min<int64_t>(4, G - g0)) {
+      case 1: f.template operator()<1>(g0); break;
+      case 2: f.template operator()<2>(g0); break;
+      case 3: f.template operator()<3>(g0); break;
+      default: f.template operator()<4>(g0); break;
+    }
+  }
+}
+
 // ---- paged_decode ----------------------------------------------------------------------------
 
 // s[g][j] = K[j] . q[g] for the tile's nk keys and GB query rows (q scaled, [GB][D]): each key row
@@ -117,20 +131,12 @@ inline void decode_values(const T* const* vrow, const float* p, float* o, int nk
 template <typename T>
 void decode_tile(const T* const* krow, const T* const* vrow, const float* q, float* s, float* o, int nk, int64_t G,
                  int64_t D, bool values) {
-  for (int64_t g0 = 0; g0 < G; g0 += 4) {
-    const float* qg = q + g0 * D;
-    float* sg = s + g0 * KT;
-    float* og = o + g0 * D;
-#define COREKV_DECODE_PART(GB) \
-  (values ? decode_values<GB>(vrow, sg, og, nk, D) : decode_scores<GB>(krow, qg, sg, nk, D))
-    switch (std::min<int64_t>(4, G - g0)) {
-      case 1: COREKV_DECODE_PART(1); break;
-      case 2: COREKV_DECODE_PART(2); break;
-      case 3: COREKV_DECODE_PART(3); break;
-      default: COREKV_DECODE_PART(4); break;
-    }
-#undef COREKV_DECODE_PART
-  }
+  in_row_groups(G, [&]<int GB>(int64_t g0) {
+    if (values)
+      decode_values<GB>(vrow, s + g0 * KT, o + g0 * D, nk, D);
+    else
+      decode_scores<GB>(krow, q + g0 * D, s + g0 * KT, nk, D);
+  });
 }
 
 // One task per (KV head, row), flash-attention style over tiles of KT keys: the G scores of each
@@ -271,10 +277,16 @@ inline void values_block(const float* const* vrow, const float* p, const float* 
 
 // One tile's scores (values == false) or weighted values (values == true) for all G row vectors,
 // NV <= 4 of them at a time, with ACCUMULATORS of the REGISTERS vector registers.
+// Keys (or dims) per register block of the prefill kernels for NV row vectors: NV x B accumulators.
+template <int NV>
+constexpr int block_size() {
+  return NV == 1 ? ACCUMULATORS * 2 / 3 : ACCUMULATORS / NV;
+}
+
 template <int NV>
 void tile_part(const float* const* krow, const float* const* vrow, const float* qt, float* s, const float* alpha,
                float* ot, int nk, int g0, int G, int D, bool values) {
-  constexpr int B = NV == 1 ? ACCUMULATORS * 2 / 3 : ACCUMULATORS / NV;
+  constexpr int B = block_size<NV>();
   if (!values) {
     for (int j0 = 0; j0 < nk; j0 += B) scores_block<NV, B>(krow, qt, s, j0, std::min(B, nk - j0), g0, G, D);
   } else {
@@ -284,14 +296,9 @@ void tile_part(const float* const* krow, const float* const* vrow, const float* 
 
 void tile(const float* const* krow, const float* const* vrow, const float* qt, float* s, const float* alpha, float* ot,
           int nk, int G, int D, bool values) {
-  for (int g0 = 0; g0 < G; g0 += 4) {
-    switch (std::min(4, G - g0)) {
-      case 1: tile_part<1>(krow, vrow, qt, s, alpha, ot, nk, g0, G, D, values); break;
-      case 2: tile_part<2>(krow, vrow, qt, s, alpha, ot, nk, g0, G, D, values); break;
-      case 3: tile_part<3>(krow, vrow, qt, s, alpha, ot, nk, g0, G, D, values); break;
-      default: tile_part<4>(krow, vrow, qt, s, alpha, ot, nk, g0, G, D, values); break;
-    }
-  }
+  in_row_groups(G, [&]<int NV>(int64_t g0) {
+    tile_part<NV>(krow, vrow, qt, s, alpha, ot, nk, static_cast<int>(g0), G, D, values);
+  });
 }
 
 #if COREKV_BF16_DOT
@@ -337,21 +344,14 @@ inline void scores_block_bf16(const uint16_t* const* kp, const uint32_t* qp, flo
 
 template <int NV>
 inline void scores_part_bf16(const uint16_t* const* kp, const uint32_t* qp, float* s, int nk, int g0, int G, int D) {
-  constexpr int B = NV == 1 ? ACCUMULATORS * 2 / 3 : ACCUMULATORS / NV;
+  constexpr int B = block_size<NV>();
   for (int j0 = 0; j0 < nk; j0 += B) scores_block_bf16<NV, B>(kp, qp, s, j0, std::min(B, nk - j0), g0, G, D);
 }
 
 // One tile's unscaled scores from bfloat16 keys and query pairs.
 __attribute__((noinline)) void scores_tile_bf16(const uint16_t* const* kp, const uint32_t* qp,
-                                                                        float* s, int nk, int G, int D) {
-  for (int g0 = 0; g0 < G; g0 += 4) {
-    switch (std::min(4, G - g0)) {
-      case 1: scores_part_bf16<1>(kp, qp, s, nk, g0, G, D); break;
-      case 2: scores_part_bf16<2>(kp, qp, s, nk, g0, G, D); break;
-      case 3: scores_part_bf16<3>(kp, qp, s, nk, g0, G, D); break;
-      default: scores_part_bf16<4>(kp, qp, s, nk, g0, G, D); break;
-    }
-  }
+                                                float* s, int nk, int G, int D) {
+  in_row_groups(G, [&]<int NV>(int64_t g0) { scores_part_bf16<NV>(kp, qp, s, nk, static_cast<int>(g0), G, D); });
 }
 #pragma GCC pop_options
 #endif
