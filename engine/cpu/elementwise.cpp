@@ -1,6 +1,6 @@
 // corekv's native elementwise ops of a decoder layer (engine.cpu_kernels on CPU): RMSNorm, the gated
 // SiLU of the MLP and the rotary embedding, each one pass over its tensors where Hugging Face's
-// Llama modules run several eager ops (and allocate a tensor for each); engine/cpu/fused.py wires
+// Llama modules run several eager ops (and allocate a tensor for each); engine/cpu/elementwise.py wires
 // them into a native runner's steps. Float32 or bfloat16, the math in float32, rounded where the
 // Hugging Face code rounds (the code: kernels_isa.h).
 #include <torch/extension.h>

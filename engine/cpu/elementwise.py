@@ -20,6 +20,9 @@ from corekv.engine.attention import native_kernels
 
 #: the dtypes the kernels compute in
 _DTYPES = (torch.float32, torch.bfloat16)
+#: the kernels work in whole vectors of this many values (elementwise.cpp's LANES); the rotary
+#: embedding in two halves of them
+_LANES = 16
 
 
 def use_native_elementwise(hf_model: Any) -> None:
@@ -59,7 +62,7 @@ def _rms_norm(module, original):
 
     def forward(hidden_states):
         native = _native_for(hidden_states, weight)
-        if native is None or hidden_states.shape[-1] % 16:
+        if native is None or hidden_states.shape[-1] % _LANES:
             return original(hidden_states)
         return native.rms_norm(hidden_states, weight, module.variance_epsilon)
     return forward
@@ -71,7 +74,7 @@ def _mlp(module, original):
         if native is None:
             return original(x)
         gate, up = module.gate_proj(x), module.up_proj(x)
-        if gate.numel() % 16 or gate.dtype != up.dtype:
+        if gate.numel() % _LANES or gate.dtype != up.dtype:
             return module.down_proj(module.act_fn(gate) * up)
         return module.down_proj(native.silu_mul(gate, up))
     return forward
@@ -80,7 +83,7 @@ def _mlp(module, original):
 def _rotary(original):
     def apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1):
         native = _native_for(q, k, cos, sin)
-        if (native is None or unsqueeze_dim != 1 or q.dim() != 4 or q.shape[0] != 1 or q.shape[-1] % 32
+        if (native is None or unsqueeze_dim != 1 or q.dim() != 4 or q.shape[0] != 1 or q.shape[-1] % (2 * _LANES)
                 or cos.shape != (1, q.shape[2], q.shape[3]) or q.stride(-1) != 1 or k.stride(-1) != 1):
             return original(q, k, cos, sin, unsqueeze_dim)
         return native.rotary(q, cos, sin), native.rotary(k, cos, sin)
