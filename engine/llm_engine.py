@@ -108,6 +108,7 @@ class Engine:
         self.scheduler = Scheduler(self.blocks, max_num_seqs=ecfg.max_num_seqs,
                                    max_num_batched_tokens=ecfg.max_num_batched_tokens,
                                    scheduling=ecfg.scheduling, enable_chunked_prefill=self.enable_chunked_prefill,
+                                   prefill_first=ecfg.prefill_first,
                                    eos_token_ids=m.eos_token_ids, make_fork=self._fork)
         self.max_model_len = getattr(m.hf_config, "max_position_embeddings", None)
         #: the speculative decoder (engine.speculative), or None while it is off

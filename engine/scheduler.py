@@ -4,6 +4,13 @@ Every step is a fresh decision under two limits, ``max_num_batched_tokens`` (the
 one forward) and ``max_num_seqs`` (running sequences). Decodes go first (one token each), then
 prompts already being prefilled, then new admissions; with chunked prefill a prompt takes what is
 left of the budget and continues next step, so a long prompt never stalls the decodes.
+
+With ``prefill_first`` (``engine.prefill_first``) a prompt that has produced no token yet and finds
+the pool full preempts running decodes for its blocks, newest first (swap preemption parks their
+KV in the host tier, so they resume where they were): first tokens come before the rest of other
+requests' outputs, the order that lowers mean TTFT when the pool cannot hold every request at
+once. Preempted sequences requeue behind the prompts already waiting, and prompts that arrive
+later wait behind them, so under steady arrivals nothing starves.
 """
 from __future__ import annotations
 
@@ -47,13 +54,15 @@ class Scheduler:
     * every unfinished sequence is in exactly one of ``waiting`` (holding no blocks) and
       ``running`` (holding blocks for all its tokens but, while decoding, maybe the newest);
     * ``running`` is in admission order, so its tail is the newest (the first preemption victim);
+    * with ``prefill_first``, only sequences that have produced a token are preempted for a prompt,
+      and only for one that has produced none;
     * one step's scheduled tokens never exceed ``max_num_batched_tokens``, except a sequence
       that can only run whole (chunked prefill off) and is then alone in its step;
     * ``len(running) + pending forks <= max_num_seqs``.
     """
 
     def __init__(self, block_manager: BlockManager, *, max_num_seqs: int, max_num_batched_tokens: int,
-                 scheduling: str = "lpm", enable_chunked_prefill: bool = True,
+                 scheduling: str = "lpm", enable_chunked_prefill: bool = True, prefill_first: bool = False,
                  eos_token_ids: SequenceABC[int] = (),
                  make_fork: Callable[[Sequence, int], Sequence] | None = None):
         if scheduling not in SCHEDULING_POLICIES:
@@ -63,6 +72,7 @@ class Scheduler:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.scheduling = scheduling
         self.enable_chunked_prefill = enable_chunked_prefill
+        self.prefill_first = prefill_first
         self.eos_token_ids = frozenset(eos_token_ids)
         self.make_fork = make_fork or (lambda parent, index: parent.fork(index, None, None))
         self.waiting: deque[Sequence] = deque()
@@ -114,9 +124,13 @@ class Scheduler:
                 if seq.num_tokens - len(self.blocks.match(seq)) * self.blocks.block_size > budget:
                     break
             if not self.blocks.allocate(seq):
-                break
+                if not (self.prefill_first and seq.num_output_tokens == 0
+                        and self._preempt_decodes_for(seq, batch)):
+                    break
+                used = sum(item.num_tokens + len(item.draft_token_ids) for item in batch)
+                budget = max(0, self.max_num_batched_tokens - used)
             self._admit(seq)
-            num_seqs += 1 + seq.num_pending_forks
+            num_seqs = len(self.running) + sum(s.num_pending_forks for s in self.running)
             num_tokens = seq.num_uncomputed_tokens
             if self.enable_chunked_prefill:
                 num_tokens = min(num_tokens, budget)
@@ -187,10 +201,19 @@ class Scheduler:
 
     # -- helpers -----------------------------------------------------------------------------
     def _admission_order(self) -> list[Sequence]:
-        """The waiting queue in the order ``scheduling`` admits it (see corekv.engine.scheduling)."""
-        if self.scheduling == "lpm" and len(self.waiting) > LPM_QUEUE_LIMIT:
-            return list(self.waiting)
-        return ORDER_BY_POLICY[self.scheduling](self.waiting, lambda s: len(self.blocks.match(s)))
+        """The waiting queue in the order ``scheduling`` admits it (see corekv.engine.scheduling);
+        with ``prefill_first``, the prompts queued before the first preempted sequence go first
+        (each part in the policy's order)."""
+        if not self.prefill_first:
+            return self._ordered(self.waiting)
+        queue = list(self.waiting)
+        first = next((i for i, s in enumerate(queue) if s.num_output_tokens), len(queue))
+        return self._ordered(queue[:first]) + self._ordered(queue[first:])
+
+    def _ordered(self, waiting: SequenceABC[Sequence]) -> list[Sequence]:
+        if self.scheduling == "lpm" and len(waiting) > LPM_QUEUE_LIMIT:
+            return list(waiting)
+        return ORDER_BY_POLICY[self.scheduling](waiting, lambda s: len(self.blocks.match(s)))
 
     def _in_flight_blocks(self) -> set:
         """Hashes of the full prompt blocks that running prefills have yet to compute."""
@@ -255,6 +278,20 @@ class Scheduler:
                 return False
         return True
 
+    def _preempt_decodes_for(self, seq: Sequence, batch: list[ScheduledSeq]) -> bool:
+        """``prefill_first``: preempt the running sequences that have produced a token, newest
+        first (their items leave this step's ``batch``), until waiting ``seq`` gets its blocks.
+
+        NOTE: when even all of them do not make room the victims stay preempted: they resume from
+        their parked KV, so what is lost is a step of their decodes, not their work.
+        """
+        for victim in [s for s in reversed(self.running) if s.num_output_tokens]:
+            batch[:] = [item for item in batch if item.seq is not victim]
+            self._preempt(victim)
+            if self.blocks.allocate(seq):
+                return True
+        return False
+
     def _preempt(self, seq: Sequence) -> None:
         """Free the blocks (cached full ones stay hittable) and requeue first; with swap
         preemption the blocks' KV is parked in the swap tier first and reloaded at re-admission."""
@@ -265,7 +302,10 @@ class Scheduler:
         seq.num_computed_tokens = 0
         seq.num_preemptions += 1
         self.num_preemptions += 1
-        self.waiting.appendleft(seq)
+        if self.prefill_first:  # NOTE: behind the prompts waiting now, ahead of later ones
+            self.waiting.append(seq)
+        else:
+            self.waiting.appendleft(seq)
 
     def _finish(self, seq: Sequence, reason: str) -> None:
         if seq.status is SequenceStatus.RUNNING:

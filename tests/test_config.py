@@ -75,7 +75,8 @@ MESSAGES = [
     ({"engine": {"blok_size": 16}},
      "engine.blok_size: unknown key (value 16); did you mean 'block_size'? Valid keys: block_size, "
      "kv_cache_memory, num_blocks, max_num_seqs, max_num_batched_tokens, scheduling, preemption, "
-     "enable_prefix_caching, enable_chunked_prefill, compile, cpu_kernels, tune_cpu_malloc, speculative"),
+     "prefill_first, enable_prefix_caching, enable_chunked_prefill, compile, cpu_kernels, tune_cpu_malloc, "
+     "speculative"),
     ({"modle": "x"},
      "modle: unknown key (value 'x'); did you mean 'model'? Valid keys: model, dtype, device, "
      "engine, cache, kv_events, plugins"),
@@ -140,7 +141,8 @@ MESSAGES = [
      "cache.pinned[0].chat: got true with token_ids; expected chat: true only with text (token ids "
      "are used as given)"),
     ({"engine": []}, "engine: got []; expected a mapping with keys block_size, kv_cache_memory, "
-     "num_blocks, max_num_seqs, max_num_batched_tokens, scheduling, preemption, enable_prefix_caching, enable_chunked_prefill, compile, cpu_kernels, tune_cpu_malloc, speculative"),
+     "num_blocks, max_num_seqs, max_num_batched_tokens, scheduling, preemption, prefill_first, "
+     "enable_prefix_caching, enable_chunked_prefill, compile, cpu_kernels, tune_cpu_malloc, speculative"),
 ]
 
 
@@ -551,6 +553,7 @@ engine_fields = st.fixed_dictionaries({}, optional={
     "max_num_seqs": st.integers(1, 4096),
     "scheduling": st.sampled_from(["lpm", "fcfs", "dfs-weight", "lof"]),
     "preemption": st.sampled_from(["recompute", "swap"]),
+    "prefill_first": st.booleans(),
     "enable_prefix_caching": st.booleans(),
     "enable_chunked_prefill": st.booleans(),
     "compile": st.booleans(),
@@ -561,7 +564,10 @@ engine_fields = st.fixed_dictionaries({}, optional={
 
 @given(engine=engine_fields, fraction=st.floats(0, 1), device=st.sampled_from(["auto", "cpu", "cuda", "cuda:3"]))
 def test_valid_configs_round_trip_through_dump(pm, engine, fraction, device):
-    # NOTE: preemption: swap is valid only with a host tier (test_swap_preemption_needs_a_host_tier)
+    # NOTE: preemption: swap is valid only with a host tier (test_swap_preemption_needs_a_host_tier),
+    # prefill_first only with swap (test_prefill_first_needs_swap_preemption)
+    if engine.get("prefill_first"):
+        engine["preemption"] = "swap"
     tiers = [{"type": "host", "size": "1MiB"}] if engine.get("preemption") == "swap" else []
     cfg = load({"engine": engine, "device": device,
                 "cache": {**TOY, "max_pinned_fraction": fraction, "tiers": tiers}}, pm)
@@ -595,6 +601,16 @@ def test_swap_preemption_needs_a_host_tier(pm):
         "or use preemption: recompute (set by COREKV_ENGINE__PREEMPTION)")
     with_host = {"engine": {"preemption": "swap"}, "cache": {**TOY, "tiers": [{"type": "host", "size": "1MiB"}]}}
     assert load(with_host, pm).engine.preemption == "swap"
+
+
+def test_prefill_first_needs_swap_preemption(pm):
+    host = {**TOY, "tiers": [{"type": "host", "size": "1MiB"}]}
+    error = error_of({"engine": {"prefill_first": True}, "cache": host}, pm)
+    assert error.path == "engine.prefill_first"
+    assert str(error) == ("engine.prefill_first: true preempts decodes for waiting prompts, which with "
+                          "preemption: recompute computes their KV again; set engine.preemption: swap "
+                          "(with a host tier in cache.tiers) or prefill_first: false")
+    assert load({"engine": {"prefill_first": True, "preemption": "swap"}, "cache": host}, pm).engine.prefill_first
 
 
 def test_offload_settings(pm):

@@ -298,7 +298,12 @@ class ConfigReader:
 
     def check_preemption(self, config: Config) -> None:
         """``engine.preemption: swap`` parks preempted sequences' KV in a host tier, so
-        ``cache.tiers`` must have one (whether it starts is the engine's to find out)."""
+        ``cache.tiers`` must have one (whether it starts is the engine's to find out), and
+        ``engine.prefill_first``, which preempts more often, needs swap."""
+        if config.engine.prefill_first and config.engine.preemption != "swap":
+            raise self.error("engine.prefill_first", "true preempts decodes for waiting prompts, which "
+                             "with preemption: recompute computes their KV again; set engine.preemption: "
+                             "swap (with a host tier in cache.tiers) or prefill_first: false")
         types = [t.type for t in config.cache.tiers]
         if config.engine.preemption == "swap" and "host" not in types:
             raise self.error("engine.preemption", "'swap' parks preempted sequences' KV in a host "

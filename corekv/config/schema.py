@@ -72,6 +72,11 @@ class EngineConfig:
                              choices=("lpm", "fcfs", "dfs-weight", "lof"))
     preemption: str = _field("recompute", "what happens to a preempted sequence's KV",
                              choices=("recompute", "swap"))
+    prefill_first: bool = _field(False, "a prompt that has produced no token yet and finds the pool "
+                                 "full preempts running decodes (newest first) for its blocks, so "
+                                 "first tokens come before the rest of other requests' outputs: lower "
+                                 "mean TTFT when the pool cannot hold every request, paid for by "
+                                 "swapping the preempted KV out and back in; needs preemption: swap")
     enable_prefix_caching: bool = _field(True, "reuse cached prefixes across requests")
     enable_chunked_prefill: bool = _field(True, "split long prompts across steps so decodes keep "
                                           "running; off: a prompt is prefilled in one step")

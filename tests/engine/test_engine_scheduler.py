@@ -274,3 +274,71 @@ def test_without_prefix_caching_nothing_is_held_back():
     scheduler.add(b)
     batch, _ = step(scheduler)
     assert [i.seq.request_id for i in batch] == ["a", "b"]
+
+
+def _two_decoders_filling_the_pool(prefill_first):
+    """An 8-block pool: two 12-token prompts (3 blocks each) prefilled, their first tokens then
+    take the last 2 blocks in the next step's decodes."""
+    scheduler = make_scheduler(num_blocks=8, budget=64)
+    scheduler.prefill_first = prefill_first
+    a, b = make_seq(prompt(0, 12), "a", max_tokens=12), make_seq(prompt(100, 12), "b", max_tokens=12)
+    scheduler.add(a)
+    scheduler.add(b)
+    step(scheduler)
+    return scheduler, a, b
+
+
+def test_prefill_first_preempts_the_newest_decode_for_a_prompt_that_does_not_fit():
+    scheduler, a, b = _two_decoders_filling_the_pool(prefill_first=True)
+    c = make_seq(prompt(200, 8), "c", max_tokens=4)
+    scheduler.add(c)
+    batch, _ = step(scheduler)
+    assert [(item.seq.request_id, item.num_tokens) for item in batch] == [("a", 1), ("c", 8)]
+    assert c.num_output_tokens == 1 and scheduler.num_preemptions == 1
+    assert b.status is SequenceStatus.WAITING and b.num_output_tokens == 1 and list(scheduler.waiting) == [b]
+    while scheduler.has_unfinished:
+        step(scheduler)
+    assert (a.num_output_tokens, b.num_output_tokens, c.num_output_tokens) == (12, 12, 4)
+    assert scheduler.blocks.backend.num_free_blocks == 8
+
+
+def test_without_prefill_first_the_prompt_waits_for_the_decodes():
+    scheduler, a, b = _two_decoders_filling_the_pool(prefill_first=False)
+    c = make_seq(prompt(200, 8), "c", max_tokens=4)
+    scheduler.add(c)
+    batch, _ = step(scheduler)
+    assert [item.seq.request_id for item in batch] == ["a", "b"]
+    assert c.num_output_tokens == 0 and scheduler.num_preemptions == 0
+
+
+def test_prefill_first_requeues_a_victim_ahead_of_later_prompts():
+    """No starvation: a prompt arriving after a victim was preempted waits behind it (it cannot
+    preempt its way ahead of the victim)."""
+    scheduler, a, b = _two_decoders_filling_the_pool(prefill_first=True)
+    c = make_seq(prompt(200, 8), "c", max_tokens=4)
+    scheduler.add(c)
+    step(scheduler)  # c preempts b (test above)
+    late = make_seq(prompt(300, 8), "late", max_tokens=4)
+    scheduler.add(late)
+    assert scheduler._admission_order() == [b, late]
+    while late.num_output_tokens == 0:
+        step(scheduler)
+    assert b.num_output_tokens > 1, "the later prompt got its first token before the victim resumed"
+    while scheduler.has_unfinished:
+        step(scheduler)
+    assert [s.num_output_tokens for s in (a, b, c, late)] == [12, 12, 4, 4]
+
+
+def test_prefill_first_never_preempts_a_prompt_still_prefilling():
+    scheduler = make_scheduler(num_blocks=4, budget=4)
+    scheduler.prefill_first = True
+    long = make_seq(prompt(0, 16), "long", max_tokens=1)  # all 4 blocks, prefilled 4 tokens a step
+    scheduler.add(long)
+    step(scheduler)
+    short = make_seq(prompt(100, 4), "short", max_tokens=1)
+    scheduler.add(short)
+    batch, _ = step(scheduler)
+    assert [item.seq.request_id for item in batch] == ["long"] and scheduler.num_preemptions == 0
+    while scheduler.has_unfinished:
+        step(scheduler)
+    assert long.num_output_tokens == short.num_output_tokens == 1 and scheduler.num_preemptions == 0

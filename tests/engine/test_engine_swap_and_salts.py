@@ -31,6 +31,28 @@ def test_swap_preemption_equals_recompute_and_recomputes_less(tiny_llama, tmp_pa
     assert recompute["num_swapped_out_blocks"] == 0
 
 
+def test_prefill_first_gives_first_tokens_sooner_and_the_same_outputs(tiny_llama, tmp_path):
+    """engine.prefill_first: a waiting prompt preempts decodes (swapped to the host tier) for its
+    blocks, so every request's first token comes in fewer steps; the outputs are those of the
+    default order. Steps, not seconds: the decision is what is tested."""
+    runs = {}
+    for prefill_first in (False, True):
+        with make_engine(tiny_llama, [tier_config("host", tmp_path)], num_blocks=SWAP_POOL, preemption="swap",
+                         prefill_first=prefill_first) as engine:
+            ids = [engine.add_request(p, LONG) for p in SWAP_PROMPTS]
+            seqs, first_step, outputs, steps = list(engine.scheduler.waiting), {}, {}, 0
+            while engine.has_unfinished_requests:
+                outputs.update((o.request_id, o) for o in engine.step())
+                steps += 1
+                first_step.update((s.request_id, steps) for s in seqs
+                                  if s.num_output_tokens and s.request_id not in first_step)
+            runs[prefill_first] = ([outputs[i].token_ids for i in ids], [first_step[i] for i in ids], engine.stats())
+    (default_tokens, default_first, _), (tokens, first, stats) = runs[False], runs[True]
+    assert tokens == default_tokens
+    assert stats["num_swapped_out_blocks"] > 0 and stats["num_swapped_in_blocks"] > 0
+    assert max(first) < max(default_first) and sum(first) < sum(default_first), (first, default_first)
+
+
 def test_swap_without_prefix_caching_still_restores_the_blocks(tiny_llama, tmp_path):
     recompute_tokens, _ = run_preempting(tiny_llama, tmp_path, "recompute")
     with make_engine(tiny_llama, [tier_config("host", tmp_path)], num_blocks=SWAP_POOL, preemption="swap",
