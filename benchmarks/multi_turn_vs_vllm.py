@@ -30,12 +30,13 @@ CPU attention takes block sizes that are multiples of 32 only. ``VLLM_CPU_KVCACH
 GiB, far coarser than this pool, so vLLM's pool is set with ``num_gpu_blocks_override`` (its log
 prints the block count it allocated; the JSON records it). Tiers: ``host`` holds the whole
 working set, ``host+lmdb`` a host tier for half of it above an LMDB (``sync: false``) for all of
-it. Both engines get the same scheduler limits (``--max-num-seqs``, ``--budget`` =
+it; ``--configs`` picks them, and a name ending in ``/prefill-first`` runs that configuration with
+``engine.prefill_first`` (and the swap preemption it needs). Both engines get the same scheduler limits (``--max-num-seqs``, ``--budget`` =
 max_num_batched_tokens) and one compute thread each by default (corekv ``--threads``, vLLM's worker
 the CPUs of ``--vllm-cpus``): on a shared 2-core box an OpenMP team of two waits at every barrier
 for whichever thread was descheduled. corekv otherwise runs its defaults (eager).
 
-Per repeat (``--repeats``), in this order on the same load: vLLM, corekv none, host, host+lmdb,
+Per repeat (``--repeats``), in this order on the same load: vLLM, then corekv's ``--configs``,
 each from a cold cache (vLLM's prefix cache reset, a fresh corekv engine and empty tiers; the
 corekv model object is shared). Reported (medians over repeats; ratios are medians of the
 per-repeat ratios to vLLM): wall time of all turns, output tokens/s, mean and p90 TTFT (a turn's
@@ -63,6 +64,8 @@ from pathlib import Path
 BLOCK = 16
 VLLM_BLOCK = 32  # NOTE: vLLM 0.32's CPU attention takes multiples of 32 only (vllm_w1_w2.py)
 CONFIGS = ("none", "host", "host+lmdb")
+#: a tier configuration's name with this suffix runs with engine.prefill_first (and swap preemption)
+PREFILL_FIRST = "/prefill-first"
 DONE = "COREKV-BENCH-DONE"
 
 
@@ -245,7 +248,8 @@ class VllmPeer:
 
 # -- corekv ------------------------------------------------------------------------------------
 def corekv_run(model, name: str, turns, num_blocks: int, working_set_bytes: int, args) -> dict:
-    """One cold pass of corekv with tier configuration ``name`` (a fresh engine and empty tiers)."""
+    """One cold pass of corekv with tier configuration ``name`` (a fresh engine and empty tiers;
+    with :data:`PREFILL_FIRST` appended, ``engine.prefill_first`` on)."""
     from corekv.config import CacheConfig, Config, EngineConfig
     from corekv.engine.llm_engine import Engine
     from corekv.engine.sampling import SamplingParams
@@ -254,11 +258,13 @@ def corekv_run(model, name: str, turns, num_blocks: int, working_set_bytes: int,
 
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
     workdir = tempfile.mkdtemp(prefix="corekv-mtv-")
+    tiers, prefill_first = name.removesuffix(PREFILL_FIRST), name.endswith(PREFILL_FIRST)
     try:
         config = Config(model="smollm2-135m-instruct", dtype="float32", device="cpu",
                         engine=EngineConfig(num_blocks=num_blocks, block_size=BLOCK, max_num_seqs=args.max_num_seqs,
-                                            max_num_batched_tokens=args.budget),
-                        cache=CacheConfig(backend="radix", tiers=tier_configs(name, workdir, working_set_bytes)))
+                                            max_num_batched_tokens=args.budget, prefill_first=prefill_first,
+                                            preemption="swap" if prefill_first else "recompute"),
+                        cache=CacheConfig(backend="radix", tiers=tier_configs(tiers, workdir, working_set_bytes)))
         with Engine(config, model=model) as engine:
             run = run_waves(engine, turns, params)
             stats = engine.stats()
@@ -354,7 +360,7 @@ def plot(rows: list[dict], out_png: str, title: str) -> None:
     import matplotlib.pyplot as plt
 
     labels = ["vLLM-CPU" if r["config"] == "vllm" else f"corekv\n{r['config']}" for r in rows]
-    colors = ["#888888", "#c44e52", "#4c72b0", "#55a868"][:len(rows)]
+    colors = ["#888888", "#c44e52", "#4c72b0", "#55a868", "#8172b2", "#ccb974"][:len(rows)]
     fig, axes = plt.subplots(1, 3, figsize=(10.5, 3.6))
     axes[0].bar(labels, [r["total_s"] for r in rows], color=colors)
     axes[0].set_ylabel("wall time, all turns (s)")
@@ -414,6 +420,9 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--vllm-python", default="/tmp/vllm-research/venv/bin/python")
     parser.add_argument("--vllm-model", default="/tmp/vllm-research/smollm2_hf", help="SmolLM2 as an HF folder")
+    parser.add_argument("--configs", type=lambda s: tuple(s.split(",")), default=CONFIGS,
+                        help=f"corekv's tier configurations, in order: of {', '.join(CONFIGS)} (none first), each "
+                             f"optionally with {PREFILL_FIRST} (engine.prefill_first, swap preemption)")
     parser.add_argument("--markdown", action="store_true")
     parser.add_argument("--json", help="write every run and the summary here")
     parser.add_argument("--plot", help="write the summary plot here (.png)")
@@ -436,6 +445,11 @@ def main() -> None:
     for name in ("conversations", "turns", "max_tokens", "repeats", "threads"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    bad = [c for c in args.configs if c.removesuffix(PREFILL_FIRST) not in CONFIGS
+           or c == "none" + PREFILL_FIRST]
+    if bad or args.configs[0] != "none" or len(set(args.configs)) != len(args.configs):
+        parser.error(f"--configs must be none, then any of {', '.join(CONFIGS[1:])}, each with or without "
+                     f"{PREFILL_FIRST}, none twice; got {','.join(args.configs)}")
     if args.document_tokens < 0:
         parser.error(f"--document-tokens must be >= 0, got {args.document_tokens}")
     if not 0 < args.pool_fraction <= 1:
@@ -471,7 +485,7 @@ def main() -> None:
     workload.write_text(json.dumps(dict(turns=turns, max_tokens=args.max_tokens, vllm_blocks=pool // 2,
                                         max_model_len=max_model_len,
                                         max_num_seqs=args.max_num_seqs, budget=args.budget)))
-    runs: dict[str, list[dict]] = {"vllm": [], **{name: [] for name in CONFIGS}}
+    runs: dict[str, list[dict]] = {"vllm": [], **{name: [] for name in args.configs}}
     vllm = VllmPeer(args, workload, workdir)
     env["vllm_ld_preload"] = vllm.ld_preload
     try:
@@ -481,7 +495,7 @@ def main() -> None:
             idle0 = vllm.cpu_seconds()
             print(f"repeat {rep + 1}: vllm {runs['vllm'][-1]['total']:.1f} s (load {os.getloadavg()[0]:.2f})",
                   file=sys.stderr, flush=True)
-            for name in CONFIGS:
+            for name in args.configs:
                 runs[name].append(corekv_run(model, name, turns, pool, ws_blocks * block_bytes, args))
                 print(f"repeat {rep + 1}: corekv {name} {runs[name][-1]['total']:.1f} s "
                       f"(load {os.getloadavg()[0]:.2f})", file=sys.stderr, flush=True)
