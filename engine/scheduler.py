@@ -10,7 +10,7 @@ the pool full preempts running decodes for its blocks, newest first (swap preemp
 KV in the host tier, so they resume where they were): first tokens come before the rest of other
 requests' outputs, the order that lowers mean TTFT when the pool cannot hold every request at
 once. Preempted sequences requeue behind the prompts already waiting, and prompts that arrive
-later wait behind them, so under steady arrivals nothing starves.
+later wait behind them and never preempt them, so under steady arrivals nothing starves.
 """
 from __future__ import annotations
 
@@ -55,7 +55,7 @@ class Scheduler:
       ``running`` (holding blocks for all its tokens but, while decoding, maybe the newest);
     * ``running`` is in admission order, so its tail is the newest (the first preemption victim);
     * with ``prefill_first``, only sequences that have produced a token are preempted for a prompt,
-      and only for one that has produced none;
+      only for one that has produced none, and never for one queued after they were requeued;
     * one step's scheduled tokens never exceed ``max_num_batched_tokens``, except a sequence
       that can only run whole (chunked prefill off) and is then alone in its step;
     * ``len(running) + pending forks <= max_num_seqs``.
@@ -76,6 +76,7 @@ class Scheduler:
         self.eos_token_ids = frozenset(eos_token_ids)
         self.make_fork = make_fork or (lambda parent, index: parent.fork(index, None, None))
         self.waiting: deque[Sequence] = deque()
+        self._num_queued = 0  # entries into the waiting queue so far (Sequence.queued_at)
         self.running: list[Sequence] = []
         self._finished_unstepped: list[Sequence] = []
         self.num_preemptions = 0
@@ -86,6 +87,8 @@ class Scheduler:
 
     # -- queue -------------------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
+        self._num_queued += 1
+        seq.queued_at = self._num_queued
         self.waiting.append(seq)
 
     @property
@@ -280,12 +283,19 @@ class Scheduler:
 
     def _preempt_decodes_for(self, seq: Sequence, batch: list[ScheduledSeq]) -> bool:
         """``prefill_first``: preempt the running sequences that have produced a token, newest
-        first (their items leave this step's ``batch``), until waiting ``seq`` gets its blocks.
+        first (their items leave this step's ``batch``), until waiting ``seq`` gets its blocks;
+        none when even all of them could not make room.
 
-        NOTE: when even all of them do not make room the victims stay preempted: they resume from
-        their parked KV, so what is lost is a step of their decodes, not their work.
+        NOTE: a sequence requeued before ``seq`` was queued is ahead of it, so ``seq`` may not
+        preempt it once it is back in: else a stream of later prompts would swap it out every step.
         """
-        for victim in [s for s in reversed(self.running) if s.num_output_tokens]:
+        victims = [s for s in reversed(self.running) if s.num_output_tokens
+                   and (s.num_preemptions == 0 or s.queued_at > seq.queued_at)]
+        needed = self.blocks.num_blocks_needed(seq.num_tokens) - len(self.blocks.match(seq))
+        # NOTE: an upper bound of what they free (blocks they share with others stay held)
+        if self.blocks.backend.num_free_blocks + sum(len(v.block_table) for v in victims) < needed:
+            return False
+        for victim in victims:
             batch[:] = [item for item in batch if item.seq is not victim]
             self._preempt(victim)
             if self.blocks.allocate(seq):
@@ -303,6 +313,8 @@ class Scheduler:
         seq.num_preemptions += 1
         self.num_preemptions += 1
         if self.prefill_first:  # NOTE: behind the prompts waiting now, ahead of later ones
+            self._num_queued += 1
+            seq.queued_at = self._num_queued
             self.waiting.append(seq)
         else:
             self.waiting.appendleft(seq)

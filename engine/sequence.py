@@ -68,6 +68,9 @@ class Sequence:
         #: set while swap-preempted (what the swap tier holds of it); cleared at re-admission
         self.swap: Parked | None = None
         self.num_preemptions = 0
+        #: the scheduler's count of queue entries when this one last entered the waiting queue
+        #: (added or requeued): its place in the queue, for engine.prefill_first
+        self.queued_at = 0
         #: completions still to fork off this one once its prompt is computed (``n - 1``, then 0)
         self.num_pending_forks = params.n - 1
         #: tokens proposed to follow this one's, verified in the next step (corekv.engine.spec_decode)

@@ -342,3 +342,42 @@ def test_prefill_first_never_preempts_a_prompt_still_prefilling():
     while scheduler.has_unfinished:
         step(scheduler)
     assert long.num_output_tokens == short.num_output_tokens == 1 and scheduler.num_preemptions == 0
+
+
+def test_prefill_first_never_preempts_a_victim_again_for_prompts_queued_after_it():
+    """A stream of new prompts, one per step, each needing blocks the decoding ``d`` holds: ``d``
+    is preempted for the first one only; prompts queued after its requeue wait for it (it would
+    otherwise be swapped in and straight out again every step and never finish)."""
+    scheduler = make_scheduler(num_blocks=8, budget=64)
+    scheduler.prefill_first = True
+    d = make_seq(prompt(0, 20), "d", max_tokens=10)
+    scheduler.add(d)
+    step(scheduler)
+    step(scheduler)
+    prompts = []
+    for i in range(40):
+        prompts.append(make_seq(prompt(1000 * (i + 1), 12), f"p{i}", max_tokens=1))
+        scheduler.add(prompts[-1])
+        step(scheduler)
+        if d.is_finished:
+            break
+    assert d.num_output_tokens == 10 and d.num_preemptions == 1
+
+
+def test_prefill_first_preempts_nothing_when_even_every_decode_would_not_make_room():
+    """The decodes would free 4 blocks and the pool has 1 more, the prompt needs 6 (a prefill
+    holds the rest): the decodes keep running instead of being swapped out for nothing."""
+    scheduler = make_scheduler(num_blocks=12, budget=16)
+    scheduler.prefill_first = True
+    a, b = make_seq(prompt(0, 4), "a", max_tokens=8), make_seq(prompt(100, 4), "b", max_tokens=8)
+    scheduler.add(a)
+    scheduler.add(b)
+    step(scheduler)  # a, b: 1 block each, decoding (a second block each next step)
+    holder = make_seq(prompt(200, 26), "holder", max_tokens=1)  # 7 blocks, prefilled over 2 steps
+    scheduler.add(holder)
+    step(scheduler)
+    big = make_seq(prompt(300, 24), "big", max_tokens=1)  # 6 blocks
+    scheduler.add(big)
+    batch, _ = step(scheduler)
+    assert [(item.seq.request_id, item.num_tokens) for item in batch] == [("a", 1), ("b", 1), ("holder", 12)]
+    assert scheduler.num_preemptions == 0 and big.status is SequenceStatus.WAITING
