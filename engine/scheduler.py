@@ -303,8 +303,9 @@ class Scheduler:
         return False
 
     def _preempt(self, seq: Sequence) -> None:
-        """Free the blocks (cached full ones stay hittable) and requeue first; with swap
-        preemption the blocks' KV is parked in the swap tier first and reloaded at re-admission."""
+        """Free the blocks (cached full ones stay hittable) and requeue first (last with
+        ``prefill_first``); with swap preemption the blocks' KV is parked in the swap tier first
+        and reloaded at re-admission."""
         self.blocks.swap_out(seq)
         self.blocks.free(seq)
         self.running.remove(seq)
