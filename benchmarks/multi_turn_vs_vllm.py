@@ -31,9 +31,9 @@ GiB, far coarser than this pool, so vLLM's pool is set with ``num_gpu_blocks_ove
 prints the block count it allocated; the JSON records it). Tiers: ``host`` holds the whole
 working set, ``host+lmdb`` a host tier for half of it above an LMDB (``sync: false``) for all of
 it; ``--configs`` picks them, and a name ending in ``/prefill-first`` runs that configuration with
-``engine.prefill_first`` (and the swap preemption it needs). Both engines get the same scheduler limits (``--max-num-seqs``, ``--budget`` =
-max_num_batched_tokens) and one compute thread each by default (corekv ``--threads``, vLLM's worker
-the CPUs of ``--vllm-cpus``): on a shared 2-core box an OpenMP team of two waits at every barrier
+``engine.prefill_first`` (and the swap preemption it needs). Both engines get the same scheduler
+limits (``--max-num-seqs``, ``--budget`` = max_num_batched_tokens) and one compute thread each by
+default (corekv ``--threads``, vLLM's worker the CPUs of ``--vllm-cpus``): on a shared 2-core box an OpenMP team of two waits at every barrier
 for whichever thread was descheduled. corekv otherwise runs its defaults (eager).
 
 Per repeat (``--repeats``), in this order on the same load: vLLM, then corekv's ``--configs``,
@@ -303,7 +303,7 @@ def row_of(run: dict, prompt_tokens: int, bound: int, per_turn: int) -> dict:
     ttfts = run["ttfts"]
     return dict(total_s=run["total"], out_tok_s=out_tokens / run["total"], mean_ttft_s=statistics.fmean(ttfts),
                 turn_ttft_s=[statistics.fmean(ttfts[i:i + per_turn]) for i in range(0, len(ttfts), per_turn)],
-                p90_ttft_s=p90(run["ttfts"]), prompt_tokens_computed=computed, prompt_tokens_recomputed=computed - bound,
+                p90_ttft_s=p90(ttfts), prompt_tokens_computed=computed, prompt_tokens_recomputed=computed - bound,
                 preemptions=run.get("preemptions", run.get("counters", {}).get("vllm:num_preemptions")))
 
 

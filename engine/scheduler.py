@@ -130,10 +130,12 @@ class Scheduler:
                 if not (self.prefill_first and seq.num_output_tokens == 0
                         and self._preempt_decodes_for(seq, batch)):
                     break
+                # NOTE: the victims left the step and the running list: what is left of both limits
                 used = sum(item.num_tokens + len(item.draft_token_ids) for item in batch)
                 budget = max(0, self.max_num_batched_tokens - used)
+                num_seqs = len(self.running) + sum(s.num_pending_forks for s in self.running)
             self._admit(seq)
-            num_seqs = len(self.running) + sum(s.num_pending_forks for s in self.running)
+            num_seqs += 1 + seq.num_pending_forks
             num_tokens = seq.num_uncomputed_tokens
             if self.enable_chunked_prefill:
                 num_tokens = min(num_tokens, budget)

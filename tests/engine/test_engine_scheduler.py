@@ -22,12 +22,13 @@ EOS = 0
 
 
 def make_scheduler(num_blocks=64, backend="hash_blocks", budget=16, max_num_seqs=8, scheduling="fcfs",
-                   chunked=True, caching=True):
+                   chunked=True, caching=True, prefill_first=False):
     backend = make_plugin_manager().backends()[backend].factory(num_blocks, BLOCK_SIZE)
     pool = KVPool(1, num_blocks, BLOCK_SIZE, 1, 2, torch.float32, "cpu")
     blocks = BlockManager(backend, pool, enable_prefix_caching=caching)
     return Scheduler(blocks, max_num_seqs=max_num_seqs, max_num_batched_tokens=budget,
-                     scheduling=scheduling, enable_chunked_prefill=chunked, eos_token_ids=[EOS])
+                     scheduling=scheduling, enable_chunked_prefill=chunked, prefill_first=prefill_first,
+                     eos_token_ids=[EOS])
 
 
 def make_seq(prompt_ids, request_id="r", max_tokens=8, n=1) -> Sequence:
@@ -279,8 +280,7 @@ def test_without_prefix_caching_nothing_is_held_back():
 def _two_decoders_filling_the_pool(prefill_first):
     """An 8-block pool: two 12-token prompts (3 blocks each) prefilled, their first tokens then
     take the last 2 blocks in the next step's decodes."""
-    scheduler = make_scheduler(num_blocks=8, budget=64)
-    scheduler.prefill_first = prefill_first
+    scheduler = make_scheduler(num_blocks=8, budget=64, prefill_first=prefill_first)
     a, b = make_seq(prompt(0, 12), "a", max_tokens=12), make_seq(prompt(100, 12), "b", max_tokens=12)
     scheduler.add(a)
     scheduler.add(b)
@@ -330,8 +330,7 @@ def test_prefill_first_requeues_a_victim_ahead_of_later_prompts():
 
 
 def test_prefill_first_never_preempts_a_prompt_still_prefilling():
-    scheduler = make_scheduler(num_blocks=4, budget=4)
-    scheduler.prefill_first = True
+    scheduler = make_scheduler(num_blocks=4, budget=4, prefill_first=True)
     long = make_seq(prompt(0, 16), "long", max_tokens=1)  # all 4 blocks, prefilled 4 tokens a step
     scheduler.add(long)
     step(scheduler)
@@ -348,8 +347,7 @@ def test_prefill_first_never_preempts_a_victim_again_for_prompts_queued_after_it
     """A stream of new prompts, one per step, each needing blocks the decoding ``d`` holds: ``d``
     is preempted for the first one only; prompts queued after its requeue wait for it (it would
     otherwise be swapped in and straight out again every step and never finish)."""
-    scheduler = make_scheduler(num_blocks=8, budget=64)
-    scheduler.prefill_first = True
+    scheduler = make_scheduler(num_blocks=8, budget=64, prefill_first=True)
     d = make_seq(prompt(0, 20), "d", max_tokens=10)
     scheduler.add(d)
     step(scheduler)
@@ -367,8 +365,7 @@ def test_prefill_first_never_preempts_a_victim_again_for_prompts_queued_after_it
 def test_prefill_first_preempts_nothing_when_even_every_decode_would_not_make_room():
     """The decodes would free 4 blocks and the pool has 1 more, the prompt needs 6 (a prefill
     holds the rest): the decodes keep running instead of being swapped out for nothing."""
-    scheduler = make_scheduler(num_blocks=12, budget=16)
-    scheduler.prefill_first = True
+    scheduler = make_scheduler(num_blocks=12, budget=16, prefill_first=True)
     a, b = make_seq(prompt(0, 4), "a", max_tokens=8), make_seq(prompt(100, 4), "b", max_tokens=8)
     scheduler.add(a)
     scheduler.add(b)
