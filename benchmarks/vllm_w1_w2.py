@@ -7,6 +7,7 @@ transformers), on an HF folder of SmolLM2-135M-Instruct (vLLM does not take the 
     python benchmarks/engine_w1_w2.py --dump-prompts prompts.json        # corekv's venv: the token ids
     python benchmarks/vllm_w1_w2.py --prompts prompts.json --model /path/to/smollm2_hf \\
         --dtypes float32,bfloat16 --runs 3 --nocache-w2-runs 1 --json vllm.json
+    python benchmarks/vllm_w1_w2.py ...same... --isa avx2                # as on a CPU without AVX-512
 
 * W1: the first prompt alone, then the other five together (wave 2), 32 new tokens.
 * W2: the 32 prompts of 512 token ids together, 16 new tokens, EOS ignored.
@@ -111,6 +112,22 @@ def summarise(results):
                 tokens_run0=results[0]["tokens"])
 
 
+def vllm_kernel_libraries() -> list[str]:
+    """The vLLM kernel libraries (``vllm/_C*.so``: ``_C`` AVX-512 with bfloat16, ``_C_AVX512``,
+    ``_C_AVX2``) that this process and its descendants have loaded."""
+    import psutil
+
+    names = set()
+    me = psutil.Process()
+    for p in [me, *me.children(recursive=True)]:
+        try:
+            maps = Path(f"/proc/{p.pid}/maps").read_text()
+        except OSError:
+            continue
+        names |= {Path(line.split()[-1]).name for line in maps.splitlines() if "/vllm/_C" in line}
+    return sorted(names)
+
+
 def child(args):
     """One LLM (one dtype, prefix caching on or off) over the requested workloads; rows as JSON to --out."""
     from vllm import LLM, SamplingParams
@@ -127,6 +144,7 @@ def child(args):
     init_rss = sampler.stop()
     cfg = llm.llm_engine.vllm_config.cache_config
     info = dict(init_s=init_s, init_peak_rss_mib=init_rss[0] / 2**20, block_size=cfg.block_size,
+                kernel_libraries=vllm_kernel_libraries(),
                 num_gpu_blocks=getattr(cfg, "num_gpu_blocks", None),
                 enable_prefix_caching=cfg.enable_prefix_caching)
     print(f"[vllm child] {args.dtype} prefix_caching={args.prefix_caching} {json.dumps(info)}", file=sys.stderr, flush=True)
@@ -161,7 +179,9 @@ def render_markdown(data) -> str:
         if not items:
             continue
         wave = " | wave 2 s" if wl == "W1" else ""
-        lines += [f"**{wl}, vLLM {data['env'].get('vllm', '?')} CPU**", "",
+        libraries = sorted({name for _, r in items for name in r.get("kernel_libraries", [])})
+        kernels = f" (kernels: {', '.join(libraries)})" if libraries else ""
+        lines += [f"**{wl}, vLLM {data['env'].get('vllm', '?')} CPU{kernels}**", "",
                   f"| setting | runs | total s (median, min-max){wave} | output tok/s | mean TTFT s | "
                   "peak RSS MiB (tree / largest process) | prompt tokens from prefix cache | same tokens every run |",
                   "|---|---:|---:|" + ("---:|" if wave else "") + "---:|---:|---:|---:|---|"]
@@ -194,6 +214,10 @@ def main():
     ap.add_argument("--ld-preload", default="auto",
                     help="LD_PRELOAD for vLLM's processes ('auto': tcmalloc and the venv's Intel OpenMP, as vLLM's "
                          "CPU docs recommend, where found; '' for none)")
+    ap.add_argument("--isa", choices=("avx2",), default=None,
+                    help="run vLLM as on a CPU of this instruction set: torch, MKL and oneDNN restricted by "
+                         "environment (corekv.engine.cpu.isa.RESTRICT_ENV) and torch's AVX-512/AMX probes "
+                         "answering False in vLLM's processes (benchmarks/as_avx2), so vLLM loads its AVX2 kernels")
     ap.add_argument("--json", default=None)
     ap.add_argument("--render", default=None, help="print the markdown tables of a --json file and exit")
     # internal: one child run
@@ -233,6 +257,12 @@ def main():
     if preload:
         child_env["LD_PRELOAD"] = preload
     env["LD_PRELOAD"] = preload
+    if args.isa:
+        from corekv.engine.cpu.isa import RESTRICT_ENV
+
+        site = str(Path(__file__).resolve().parent / f"as_{args.isa}")
+        child_env.update(RESTRICT_ENV[args.isa], PYTHONPATH=os.pathsep.join(filter(None, [site, os.environ.get("PYTHONPATH")])))
+        env["isa"] = dict(RESTRICT_ENV[args.isa], sitecustomize=site)
     settings = [(d, 1, args.workloads, args.runs) for d in args.dtypes.split(",")]
     if args.nocache_w2_runs:
         settings.append(("float32", 0, "W2", args.nocache_w2_runs))
