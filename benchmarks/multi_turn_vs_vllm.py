@@ -61,6 +61,8 @@ import tempfile
 import time
 from pathlib import Path
 
+import process_group
+
 BLOCK = 16
 VLLM_BLOCK = 32  # NOTE: vLLM 0.32's CPU attention takes multiples of 32 only (vllm_w1_w2.py)
 CONFIGS = ("none", "host", "host+lmdb")
@@ -203,7 +205,7 @@ class VllmPeer:
         env["LD_PRELOAD"] = ":".join(str(p) for p in found if p.exists())
         self.ld_preload = env["LD_PRELOAD"]
         self.workdir = workdir
-        self.proc = subprocess.Popen(
+        self.proc = process_group.start(
             [args.vllm_python, __file__, "--vllm-child", "--workload", str(workload_path),
              "--vllm-model", args.vllm_model], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
         self._wait()
@@ -236,7 +238,8 @@ class VllmPeer:
             try:
                 self.proc.wait(timeout=60)
             except subprocess.TimeoutExpired:
-                self.proc.kill()
+                pass
+        process_group.kill(self.proc)
 
     def _wait(self) -> None:
         for line in self.proc.stdout:

@@ -26,11 +26,12 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import threading
 import time
 from pathlib import Path
+
+import process_group
 
 W1_NEW, W2_NEW = 32, 16
 
@@ -272,7 +273,11 @@ def main():
         cmd = [sys.executable, __file__, "--child", "--prompts", args.prompts, "--model", args.model, "--dtype", dtype,
                "--prefix-caching", str(cache), "--workloads", workloads, "--runs", str(runs), "--block-size",
                str(args.block_size), "--max-model-len", str(args.max_model_len), "--out", str(tmp)]
-        rc = subprocess.run(cmd, env=child_env).returncode
+        child_proc = process_group.start(cmd, env=child_env)
+        try:
+            rc = child_proc.wait()
+        finally:
+            process_group.kill(child_proc)
         if rc != 0:
             print(f"child {dtype} prefix_caching={cache} exited {rc}", file=sys.stderr, flush=True)
         if tmp.exists():
