@@ -316,9 +316,7 @@ class Scheduler:
         seq.num_preemptions += 1
         self.num_preemptions += 1
         if self.prefill_first:  # NOTE: behind the prompts waiting now, ahead of later ones
-            self._num_queued += 1
-            seq.queued_at = self._num_queued
-            self.waiting.append(seq)
+            self.add(seq)
         else:
             self.waiting.appendleft(seq)
 
