@@ -5,8 +5,9 @@ Where GEMMs run fastest depends on the CPU and the libraries more than on anythi
 read off the CPU's flags: MKL takes its AVX2 path on AMD CPUs with AVX-512, oneDNN its AVX-512
 (and AVX-512 BF16) kernels there; a bfloat16 GEMM beats float32 on a CPU with bfloat16 dot
 products only if oneDNN uses them (BENCHMARKS.md, "Linears by shape"). So :func:`gemm_plan` times
-the candidates at :data:`FEW_ROWS` and :data:`MANY_ROWS` rows on the layer's own weight and keeps
-the default (the first candidate) unless another is at least :data:`MARGIN` times faster.
+the candidates at :data:`FEW_ROWS` and :data:`MANY_ROWS` rows (or the row counts asked for) on the
+layer's own weight and keeps the default (the first candidate) unless another is at least
+:data:`MARGIN` times faster.
 
 NOTE: the plan is cached (``$COREKV_CACHE_DIR``, default ``~/.cache/corekv``, file
 ``gemm_plans.json``) under a key of the CPU, torch's capability, the libraries' restrictions,
@@ -37,17 +38,19 @@ _ENV = ("ATEN_CPU_CAPABILITY", "MKL_ENABLE_INSTRUCTIONS", "ONEDNN_MAX_CPU_ISA")
 
 
 def gemm_plan(dtype: torch.dtype, shape: tuple[int, int],
-              candidates: dict[str, Callable[[torch.Tensor], torch.Tensor]]) -> dict[str, str]:
-    """``{"few": name, "many": name}``: the candidate (``name -> op(x)``; the first is the
-    default) each row range runs, for a weight of ``shape`` ``(out, in)`` and ``dtype``; from the
-    cache when it has this machine's plan for them, else timed and cached."""
-    key = _key(dtype, shape, candidates)
+              candidates: dict[str, Callable[[torch.Tensor], torch.Tensor]],
+              rows: dict[str, int] | None = None) -> dict[str, str]:
+    """``{label: name}``: the candidate (``name -> op(x)``; the first is the default) that runs
+    ``x`` of each label's row count (``rows``, default ``{"few": FEW_ROWS, "many": MANY_ROWS}``),
+    for a weight of ``shape`` ``(out, in)`` and ``dtype``; from the cache when it has this
+    machine's plan for them, else timed and cached."""
+    rows = rows or {"few": FEW_ROWS, "many": MANY_ROWS}
+    key = _key(dtype, shape, candidates, rows)
     cache = _read_cache()
     plan = cache.get(key)
-    if isinstance(plan, dict) and set(plan) == {"few", "many"} and set(plan.values()) <= set(candidates):
+    if isinstance(plan, dict) and set(plan) == set(rows) and set(plan.values()) <= set(candidates):
         return plan
-    plan = {label: _fastest(candidates, torch.randn(rows, shape[1]).to(dtype))
-            for label, rows in (("few", FEW_ROWS), ("many", MANY_ROWS))}
+    plan = {label: _fastest(candidates, torch.randn(count, shape[1]).to(dtype)) for label, count in rows.items()}
     cache[key] = plan
     _write_cache(cache)
     return plan
@@ -79,14 +82,15 @@ def _best_time(op, x) -> float:
     return best
 
 
-def _key(dtype, shape, candidates) -> str:
+def _key(dtype, shape, candidates, rows) -> str:
     from corekv.engine.cpu.isa import cpu_info
 
     info = cpu_info()
     env = ",".join(f"{k}={os.environ[k]}" for k in _ENV if k in os.environ)
     return "|".join([info.vendor, info.model, info.capability, "bf16dot" if info.has_bf16_dot else "", env,
                      f"torch {torch.__version__}", f"{torch.get_num_threads()} threads", str(dtype),
-                     f"{shape[0]}x{shape[1]}", "/".join(candidates)])
+                     f"{shape[0]}x{shape[1]}", "/".join(candidates)]
+                    + ([] if set(rows) == {"few", "many"} else ["rows " + ",".join(map(str, rows.values()))]))
 
 
 def _read_cache() -> dict:

@@ -79,26 +79,24 @@ def prepare_linear_weights(hf_model: Any) -> None:
 #: one for few rows (see prepare_linear_weights)
 MANY_ROWS_FROM = 128
 
-#: the rows (least, most) a Linear inside a native runner's step sends to the native kernel, by
-#: weight dtype: a decode step's (a prefill's thousand rows stay with the plan's GEMM, at the FMA
-#: peak there; one float32 row is a GEMV MKL streams as fast).
-#: NOTE: the bounds are the rows where the native kernel is faster than what it replaces, MKL for
-#: float32 and oneDNN's packed GEMM for bfloat16, on an Intel and an AMD AVX-512 CPU (benchmarks/cpu_kernels.py's linears tables;
-#: BENCHMARKS.md, "Native float32 linear for 2-32 rows" and "Native linear for bfloat16 decode steps").
-NATIVE_LINEAR_ROWS = {torch.float32: (2, 32), torch.bfloat16: (1, 16)}
+#: the row counts at which a Linear's native kernel is timed against its planned GEMM for few rows
+#: (see use_native_linears): a decode step's, up to gemm_plan's FEW_ROWS
+NATIVE_ROWS_TIMED = (1, 2, 4, 8, 16, 32)
 
 
 class _Packed:
     """One Linear's GEMM plan (``{"few": name, "many": name}`` of :data:`_GEMMS`) and the copies of
     its weight the plan's kernels read: oneDNN's blocked layout where the plan uses it, and column
     panels for the native kernel with the kernel of the instruction set that packed them (the
-    panels' width is that set's; both set by :func:`use_native_linears`)."""
+    panels' width is that set's) and the most rows it takes (``native_rows``; all three set by
+    :func:`use_native_linears`)."""
 
     def __init__(self, plan: dict[str, str] | None, onednn: torch.Tensor | None = None):
         self.plan = plan
         self.onednn = onednn
         self.panels: torch.Tensor | None = None
         self.small_linear = None
+        self.native_rows = 0
 
 
 def _upcast(x, weight, bias, packed):
@@ -142,11 +140,10 @@ def _packed(handle: int) -> _Packed:
     return packed
 
 
-def _native_rows(x: torch.Tensor, weight: torch.Tensor) -> bool:
+def _native_rows(x: torch.Tensor, weight: torch.Tensor, packed: _Packed) -> bool:
     """Whether ``x``'s rows are as many as the native kernel takes (for float32 read at trace
     time too, see :func:`_float32_linear`)."""
-    least, most = NATIVE_LINEAR_ROWS[weight.dtype]
-    return least <= x.numel() // weight.shape[1] <= most
+    return 1 <= x.numel() // weight.shape[1] <= packed.native_rows
 
 
 def _native_matmul(x, weight, bias, packed: _Packed):
@@ -158,18 +155,53 @@ def _native_matmul(x, weight, bias, packed: _Packed):
 def use_native_linears(hf_model: Any, kernels) -> None:
     """Give each prepared CPU ``nn.Linear`` (:func:`prepare_linear_weights`) whose output size is a
     multiple of 64 a copy of its weight packed into panels, multiplied by ``kernels.small_linear``
-    for the rows of :data:`NATIVE_LINEAR_ROWS` during a step of a native runner; anything else
-    (other rows, a torch-path runner's steps, ``model.generate`` and other plain Hugging Face use)
-    runs as before. Idempotent. The packed copies double the weights' memory (SmolLM2-135M, tied
-    ``lm_head`` included: +540 MB in float32, +270 MB in bfloat16).
+    for up to ``native_rows`` rows during a step of a native runner; anything else (more rows, a
+    torch-path runner's steps, ``model.generate`` and other plain Hugging Face use) runs as before.
+    Idempotent. The packed copies double the weights' memory (SmolLM2-135M, tied ``lm_head``
+    included: +540 MB in float32, +270 MB in bfloat16).
+
+    ``native_rows`` is the most of :data:`NATIVE_ROWS_TIMED` up to which the native kernel beat the
+    plan's GEMM for few rows at every count timed, per shape (:func:`gemm_plan`, so timed once per
+    machine, then cached); 0 where it never did (the panels are then dropped).
+
+    NOTE: why a timing: the native kernel streams the weight once for all rows, so it wins where
+    the GEMM it replaces pays for the few rows' shape: from 1 row on AMD CPUs (MKL's float32 GEMV
+    and oneDNN's take 2-3x its time), from 2 rows on an Intel AVX-512 one (level at 1); its bfloat16
+    panels lose to oneDNN's AVX-512 BF16 GEMM from about 8 rows on an AMD Zen 4 but win to 16 on an
+    Intel CPU without it (BENCHMARKS.md, "Native linears: rows timed per machine").
     """
+    from corekv.engine.cpu.gemm_plan import gemm_plan
+
+    bounds: dict[tuple, int] = {}  # (dtype, shape, bias?, layout) -> native_rows: one timing per shape
     for module in hf_model.modules():
         weight = getattr(module, "weight", None)
         packed = getattr(module, "_corekv_packed", None)
-        if isinstance(module, torch.nn.Linear) and packed is not None and packed.panels is None \
-                and weight.shape[0] % 64 == 0:
-            packed.panels = kernels.pack_linear_weight(weight.detach())
-            packed.small_linear = kernels.small_linear
+        if not isinstance(module, torch.nn.Linear) or packed is None or packed.small_linear is not None \
+                or weight.shape[0] % 64:
+            continue
+        w, bias = weight.detach(), module.bias
+        packed.panels, packed.small_linear = kernels.pack_linear_weight(w), kernels.small_linear
+        key = (w.dtype, tuple(w.shape), bias is not None, w.is_contiguous())
+        if key not in bounds:
+            few = packed.plan["few"]
+            candidates = {few: _bound(_GEMMS[few], w, bias, packed),
+                          "native": lambda x, packed=packed, bias=bias: packed.small_linear(x, packed.panels, bias)}
+            plan = gemm_plan(w.dtype, tuple(w.shape), candidates, {str(rows): rows for rows in NATIVE_ROWS_TIMED})
+            bounds[key] = _native_bound(plan)
+        packed.native_rows = bounds[key]
+        if not packed.native_rows:
+            packed.panels = None  # never used: give the memory back
+
+
+def _native_bound(plan: dict[str, str]) -> int:
+    """The most rows of a native-vs-GEMM plan (``{str(rows): winner}``) up to which native won at
+    every count timed."""
+    most = 0
+    for rows in NATIVE_ROWS_TIMED:
+        if plan[str(rows)] != "native":
+            break
+        most = rows
+    return most
 
 
 def _bfloat16_linear(weight: torch.Tensor, bias: torch.Tensor | None, packed: _Packed):
@@ -190,7 +222,7 @@ def _bfloat16_linear(weight: torch.Tensor, bias: torch.Tensor | None, packed: _P
 
 
 def _bfloat16_matmul(x, weight, bias, packed: _Packed):
-    if packed.panels is not None and _native_rows(x, weight) and in_native_step():
+    if packed.panels is not None and _native_rows(x, weight, packed) and in_native_step():
         return _native_matmul(x, weight, bias, packed)
     return _planned(x, weight, bias, packed)
 
@@ -223,7 +255,7 @@ def _float32_linear(weight: torch.Tensor, bias: torch.Tensor | None, packed: _Pa
     handle = _register(packed)
 
     def forward(x):
-        if packed.panels is not None and _native_rows(x, weight):
+        if packed.panels is not None and _native_rows(x, weight, packed):
             if torch.compiler.is_compiling():
                 return torch.ops.corekv.float32_linear(x, weight, bias, handle)
             return _float32_matmul(x, weight, bias, packed)

@@ -307,12 +307,13 @@ def test_torchs_cpu_capability_chooses_the_kernels_instruction_set():
 ])
 def test_native_linears_serve_only_a_native_runners_decode_sized_steps(dtype, monkeypatch):
     """After a native runner wires a model, its Linear layers (outputs a multiple of 64) run the
-    kernel for NATIVE_LINEAR_ROWS' rows inside that runner's steps, eagerly and through the opaque
-    op a compiled graph calls, and give what they gave before wiring everywhere else: plain Hugging
-    Face calls, fewer or more rows, a torch-path runner's steps (bfloat16: oneDNN's packed GEMM, or
+    kernel for up to their timed ``native_rows`` inside that runner's steps, eagerly and through the
+    opaque op a compiled graph calls, and give what they gave before wiring everywhere else: plain
+    Hugging Face calls, more rows, a torch-path runner's steps (bfloat16: oneDNN's packed GEMM, or
     float32 from 128 rows). Wiring twice packs nothing again. The kernel's calls are counted (the
-    real kernel, wrapped): at this size its bfloat16 results equal oneDNN's bit for bit."""
-    from corekv.engine.cpu import linears
+    real kernel, wrapped): at this size its bfloat16 results equal oneDNN's bit for bit. The timing
+    is replaced by a plan where native wins up to 8 rows (the timing itself: the next test)."""
+    from corekv.engine.cpu import gemm_plan, linears
     from corekv.engine.attention import forward_context
     from corekv.engine.model_runner import ModelRunner
     from corekv.engine.step_metadata import AttentionMetadata
@@ -321,8 +322,12 @@ def test_native_linears_serve_only_a_native_runners_decode_sized_steps(dtype, mo
     loaded = make_tiny_llama(dtype=dtype)  # its own model: wiring changes the modules' forward
     pool = KVPool(loaded.num_layers, 8, 16, loaded.num_kv_heads, loaded.head_dim, loaded.dtype, "cpu")
     module = next(m for m in loaded.model.modules() if isinstance(m, torch.nn.Linear) and m.weight.shape[0] == 128)
-    least, most = linears.NATIVE_LINEAR_ROWS[loaded.dtype]
-    all_rows = sorted({1, least - 1, least, most, most + 1, 200} - {0})
+    timed = gemm_plan.gemm_plan
+    monkeypatch.setattr(gemm_plan, "gemm_plan", lambda dtype, shape, candidates, rows=None: (
+        {label: "native" if count <= 8 else next(iter(candidates)) for label, count in rows.items()}
+        if "native" in candidates else timed(dtype, shape, candidates, rows)))
+    least, most = 1, 8
+    all_rows = [1, 2, 8, 9, 200]
     inputs = {rows: torch.randn(1, rows, module.weight.shape[1]).to(loaded.dtype) for rows in all_rows}
     before = {rows: module(x) for rows, x in inputs.items()}  # the forward before any runner wired it
     runner = ModelRunner(loaded, pool, native=True)
@@ -359,6 +364,45 @@ def test_native_linears_serve_only_a_native_runners_decode_sized_steps(dtype, mo
             else:
                 assert torch.equal(module(x), before[rows])
     assert calls == [rows for rows in all_rows if least <= rows <= most for _ in range(2)]
+
+
+def test_native_rows_are_timed_per_shape_cached_and_bound_at_the_first_loss(tmp_path, monkeypatch):
+    """Wiring times each shape's native kernel against its planned GEMM at NATIVE_ROWS_TIMED rows
+    (on this machine, into the plan cache): ``native_rows`` is the last count of the leading run
+    that native won, the same for every Linear of a shape, and a Linear native never beat keeps no
+    panels. A cached choice is honoured against the timing: forced to lose at 2 rows, native takes
+    1 row only."""
+    import json
+
+    from corekv.engine.cpu import gemm_plan, linears
+    from corekv.engine.model_runner import ModelRunner
+    from corekv.engine.tiny_model import make_tiny_llama
+
+    assert linears._native_bound({"1": "native", "2": "native", "4": "mkl", "8": "native", "16": "native",
+                                  "32": "native"}) == 2
+    assert linears._native_bound(dict.fromkeys(map(str, linears.NATIVE_ROWS_TIMED), "onednn")) == 0
+    monkeypatch.setenv("COREKV_CACHE_DIR", str(tmp_path))
+
+    def wire():
+        loaded = make_tiny_llama()
+        ModelRunner(loaded, KVPool(loaded.num_layers, 8, 16, loaded.num_kv_heads, loaded.head_dim,
+                                   loaded.dtype, "cpu"), native=True)
+        return {m: m._corekv_packed for m in loaded.model.modules()
+                if isinstance(m, torch.nn.Linear) and m.weight.shape[0] % 64 == 0}
+    wired = wire()
+    by_shape = {}
+    for module, packed in wired.items():
+        assert packed.native_rows in (0, *linears.NATIVE_ROWS_TIMED)
+        assert (packed.panels is None) == (packed.native_rows == 0)
+        assert by_shape.setdefault(tuple(module.weight.shape), packed.native_rows) == packed.native_rows
+    cache = json.loads(gemm_plan.cache_path().read_text())
+    timings = {key: plan for key, plan in cache.items() if "native" in key}
+    assert len(timings) == len(by_shape)
+    assert all(set(plan) == set(map(str, linears.NATIVE_ROWS_TIMED)) for plan in timings.values())
+    forced = {key: {label: "native" if label == "1" else next(c for c in key.split("|")[-2].split("/") if c != "native")
+                    for label in plan} for key, plan in timings.items()}
+    gemm_plan.cache_path().write_text(json.dumps({**cache, **forced}))
+    assert {packed.native_rows for packed in wire().values()} == {1}
 
 
 
