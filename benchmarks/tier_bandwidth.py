@@ -207,10 +207,11 @@ def measure(tier, args) -> tuple[float, float, float]:
     return put_rate, get_rate, get_into_rate
 
 
-def reload_rows(sizes: list[int], repeats: int, workdir: str) -> list[dict]:
+def reload_rows(sizes: list[int], repeats: int, workdir: str, device: str = "cpu") -> list[dict]:
     """Per prefix length (tokens): bytes/s of reloading the prefix's blocks into a block-major
-    CPU ``KVPool`` through :class:`~corekv.offload.Offload`, three ways, and of a memcpy of the
-    same bytes, measured alternately (repeat after repeat) in the same run.
+    ``KVPool`` on ``device`` (CPU, or CUDA: through pinned staging, timed to the copy's end)
+    through :class:`~corekv.offload.Offload`, three ways, and of a memcpy of the same bytes,
+    measured alternately (repeat after repeat) in the same run.
 
     * ``admit``: ``arrived`` then ``load`` at once (a request admitted as it arrives: its prefetch
       job is stopped after its current tier call and admission loads the rest into the pool);
@@ -243,7 +244,7 @@ block, one thread), since a reload both checks and copies every byte.
     rows = []
     for tokens in sizes:
         num = tokens // 16
-        pool = KVPool(SHAPE[0], num + 8, SHAPE[3], SHAPE[2], SHAPE[4], dtype=torch.float32)
+        pool = KVPool(SHAPE[0], num + 8, SHAPE[3], SHAPE[2], SHAPE[4], dtype=torch.float32, device=device)
         pool.storage.view(torch.uint8).view(num + 8, -1)[:num].copy_(
             torch.randint(0, 256, (num, BLOCK_BYTES), dtype=torch.uint8))
         expected = pool.storage[:num].view(torch.uint8).clone()  # NOTE: bytes: random floats hold NaNs
@@ -274,6 +275,8 @@ block, one thread), since a reload both checks and copies every byte.
                     if way.startswith("staged"):
                         offload.prefetches[rep].future.result()
                     loaded = offload.load(rep, key, 0, num, list(range(num)))
+                    if pool.device.type == "cuda":
+                        torch.cuda.synchronize()  # the host-to-device copies are asynchronous
                     seconds = time.perf_counter() - t0
                     assert loaded == {tier.name: num}, (kind, way, loaded)
                     if rep >= 0:
@@ -285,7 +288,7 @@ block, one thread), since a reload both checks and copies every byte.
                 rates.setdefault("memcpy", []).append(total / memcpy_seconds(total, repeats=1))
                 rates.setdefault("memcpy by block", []).append(
                     total / memcpy_seconds(total, repeats=1, block_bytes=BLOCK_BYTES))
-                rows_u8 = pool.storage.view(torch.uint8).view(num + 8, -1).numpy()
+                rows_u8 = pool.storage.view(torch.uint8).view(num + 8, -1).cpu().numpy()
                 evict_cpu_caches()
                 t0 = time.perf_counter()
                 for i in range(num):
@@ -350,15 +353,17 @@ def main(argv=None) -> None:
     parser.add_argument("--reload-tokens", help="prefix lengths (tokens, multiples of 16), e.g. 2048,4096,8192: "
                         "measure whole-prefix reloads instead (see reload_rows)")
     parser.add_argument("--threads", type=int, default=1, help="torch.set_num_threads")
+    parser.add_argument("--device", default="cpu", help="the pool's device for --reload-tokens: cpu, cuda or cuda:N")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     if args.reload_tokens:
         sizes = [int(s) for s in args.reload_tokens.split(",")]
         if any(s <= 0 or s % 16 for s in sizes):
             parser.error(f"--reload-tokens: {sizes} must be positive multiples of 16")
-        print(f"CPU: {cpu_description()}; load average {os.getloadavg()}")
+        gpu = f"; GPU: {torch.cuda.get_device_name(args.device)}" if args.device.startswith("cuda") else ""
+        print(f"CPU: {cpu_description()}{gpu}; load average {os.getloadavg()}")
         with tempfile.TemporaryDirectory(prefix="corekv-bench-") as workdir:
-            rows = reload_rows(sizes, args.repeats, workdir)
+            rows = reload_rows(sizes, args.repeats, workdir, args.device)
         print(f"median of {args.repeats}; torch {torch.__version__}, Python {sys.version.split()[0]}; "
               f"load average {os.getloadavg()}")
         print(reload_markdown(rows) if args.markdown else json.dumps(rows, indent=1))
