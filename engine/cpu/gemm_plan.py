@@ -6,7 +6,7 @@ read off the CPU's flags: MKL takes its AVX2 path on AMD CPUs with AVX-512, oneD
 (and AVX-512 BF16) kernels there; a bfloat16 GEMM beats float32 on a CPU with bfloat16 dot
 products only if oneDNN uses them (BENCHMARKS.md, "Linears by shape"). So :func:`gemm_plan` times
 the candidates at :data:`FEW_ROWS` and :data:`MANY_ROWS` rows (or the row counts asked for) on the
-layer's own weight and keeps the default (the first candidate) unless another is at least
+layer's own weight (or on all of a model's weights of that shape) and keeps the default (the first candidate) unless another is at least
 :data:`MARGIN` times faster.
 
 NOTE: the plan is cached (``$COREKV_CACHE_DIR``, default ``~/.cache/corekv``, file
@@ -39,13 +39,14 @@ _ENV = ("ATEN_CPU_CAPABILITY", "MKL_ENABLE_INSTRUCTIONS", "ONEDNN_MAX_CPU_ISA")
 
 def gemm_plan(dtype: torch.dtype, shape: tuple[int, int],
               candidates: dict[str, Callable[[torch.Tensor], torch.Tensor]],
-              rows: dict[str, int] | None = None) -> dict[str, str]:
+              rows: dict[str, int] | None = None, weights: int = 1) -> dict[str, str]:
     """``{label: name}``: the candidate (``name -> op(x)``; the first is the default) that runs
     ``x`` of each label's row count (``rows``, default ``{"few": FEW_ROWS, "many": MANY_ROWS}``),
-    for a weight of ``shape`` ``(out, in)`` and ``dtype``; from the cache when it has this
-    machine's plan for them, else timed and cached."""
+    for a weight of ``shape`` ``(out, in)`` and ``dtype`` (or ``weights`` of them in turn, when
+    each op runs on that many); from the cache when it has this machine's plan for them, else
+    timed and cached."""
     rows = rows or {"few": FEW_ROWS, "many": MANY_ROWS}
-    key = _key(dtype, shape, candidates, rows)
+    key = _key(dtype, shape, candidates, rows) + (f"|{weights} weights" if weights > 1 else "")
     cache = _read_cache()
     plan = cache.get(key)
     if isinstance(plan, dict) and set(plan) == set(rows) and set(plan.values()) <= set(candidates):

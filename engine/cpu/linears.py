@@ -162,35 +162,41 @@ def use_native_linears(hf_model: Any, kernels) -> None:
 
     ``native_rows`` is the most of :data:`NATIVE_ROWS_TIMED` up to which the native kernel beat the
     plan's GEMM for few rows at every count timed, per shape (:func:`gemm_plan`, so timed once per
-    machine, then cached); 0 where it never did (the panels are then dropped).
+    machine, then cached); 0 where it never did (the panels are then dropped). Each candidate is
+    timed on every weight of that shape in turn, as a forward pass runs them: from memory, not from
+    the cache one weight alone would stay in.
 
     NOTE: why a timing: the native kernel streams the weight once for all rows, so it wins where
     the GEMM it replaces pays for the few rows' shape: from 1 row on AMD CPUs (MKL's float32 GEMV
     and oneDNN's take 2-3x its time), from 2 rows on an Intel AVX-512 one (level at 1); its bfloat16
     panels lose to oneDNN's AVX-512 BF16 GEMM from about 8 rows on an AMD Zen 4 but win to 16 on an
-    Intel CPU without it (BENCHMARKS.md, "Native linears: rows timed per machine").
+    Intel CPU without it. Timed on one weight kept in cache, oneDNN looks level with it at 1 row
+    where it takes 1.7x its time in a model (BENCHMARKS.md, "Native linears: rows timed per
+    machine").
     """
     from corekv.engine.cpu.gemm_plan import gemm_plan
 
-    bounds: dict[tuple, int] = {}  # (dtype, shape, bias?, layout) -> native_rows: one timing per shape
+    by_shape: dict[tuple, list] = {}  # (dtype, shape, bias?, layout) -> its modules
     for module in hf_model.modules():
         weight = getattr(module, "weight", None)
         packed = getattr(module, "_corekv_packed", None)
         if not isinstance(module, torch.nn.Linear) or packed is None or packed.small_linear is not None \
                 or weight.shape[0] % 64:
             continue
-        w, bias = weight.detach(), module.bias
+        w = weight.detach()
         packed.panels, packed.small_linear = kernels.pack_linear_weight(w), kernels.small_linear
-        key = (w.dtype, tuple(w.shape), bias is not None, w.is_contiguous())
-        if key not in bounds:
-            few = packed.plan["few"]
-            candidates = {few: _bound(_GEMMS[few], w, bias, packed),
-                          "native": lambda x, packed=packed, bias=bias: packed.small_linear(x, packed.panels, bias)}
-            plan = gemm_plan(w.dtype, tuple(w.shape), candidates, {str(rows): rows for rows in NATIVE_ROWS_TIMED})
-            bounds[key] = _native_bound(plan)
-        packed.native_rows = bounds[key]
-        if not packed.native_rows:
-            packed.panels = None  # never used: give the memory back
+        by_shape.setdefault((w.dtype, tuple(w.shape), module.bias is not None, w.is_contiguous()), []).append(module)
+    for (dtype, shape, *_), modules in by_shape.items():
+        few = modules[0]._corekv_packed.plan["few"]
+        calls = [(m.weight.detach(), m.bias, m._corekv_packed) for m in modules]
+        candidates = {few: lambda x: [_GEMMS[few](x, w, bias, packed) for w, bias, packed in calls],
+                      "native": lambda x: [packed.small_linear(x, packed.panels, bias) for _, bias, packed in calls]}
+        plan = gemm_plan(dtype, shape, candidates, {str(rows): rows for rows in NATIVE_ROWS_TIMED}, len(calls))
+        native_rows = _native_bound(plan)
+        for _, _, packed in calls:
+            packed.native_rows = native_rows
+            if not native_rows:
+                packed.panels = None  # never used: give the memory back
 
 
 def _native_bound(plan: dict[str, str]) -> int:

@@ -323,9 +323,9 @@ def test_native_linears_serve_only_a_native_runners_decode_sized_steps(dtype, mo
     pool = KVPool(loaded.num_layers, 8, 16, loaded.num_kv_heads, loaded.head_dim, loaded.dtype, "cpu")
     module = next(m for m in loaded.model.modules() if isinstance(m, torch.nn.Linear) and m.weight.shape[0] == 128)
     timed = gemm_plan.gemm_plan
-    monkeypatch.setattr(gemm_plan, "gemm_plan", lambda dtype, shape, candidates, rows=None: (
+    monkeypatch.setattr(gemm_plan, "gemm_plan", lambda dtype, shape, candidates, rows=None, weights=1: (
         {label: "native" if count <= 8 else next(iter(candidates)) for label, count in rows.items()}
-        if "native" in candidates else timed(dtype, shape, candidates, rows)))
+        if "native" in candidates else timed(dtype, shape, candidates, rows, weights)))
     least, most = 1, 8
     all_rows = [1, 2, 8, 9, 200]
     inputs = {rows: torch.randn(1, rows, module.weight.shape[1]).to(loaded.dtype) for rows in all_rows}
@@ -368,11 +368,12 @@ def test_native_linears_serve_only_a_native_runners_decode_sized_steps(dtype, mo
 
 def test_native_rows_are_timed_per_shape_cached_and_bound_at_the_first_loss(tmp_path, monkeypatch):
     """Wiring times each shape's native kernel against its planned GEMM at NATIVE_ROWS_TIMED rows
-    (on this machine, into the plan cache): ``native_rows`` is the last count of the leading run
-    that native won, the same for every Linear of a shape, and a Linear native never beat keeps no
-    panels. A cached choice is honoured against the timing: forced to lose at 2 rows, native takes
+    (on this machine, into the plan cache), each candidate run on all of the shape's weights in
+    turn: ``native_rows`` is the last count of the leading run that native won, the same for every
+    Linear of a shape, and a Linear native never beat keeps no panels. A cached choice is honoured against the timing: forced to lose at 2 rows, native takes
     1 row only."""
     import json
+    from collections import Counter
 
     from corekv.engine.cpu import gemm_plan, linears
     from corekv.engine.model_runner import ModelRunner
@@ -395,11 +396,16 @@ def test_native_rows_are_timed_per_shape_cached_and_bound_at_the_first_loss(tmp_
         assert packed.native_rows in (0, *linears.NATIVE_ROWS_TIMED)
         assert (packed.panels is None) == (packed.native_rows == 0)
         assert by_shape.setdefault(tuple(module.weight.shape), packed.native_rows) == packed.native_rows
+    counts = Counter(tuple(module.weight.shape) for module in wired)
     cache = json.loads(gemm_plan.cache_path().read_text())
-    timings = {key: plan for key, plan in cache.items() if "native" in key}
-    assert len(timings) == len(by_shape)
+    timings = {key: plan for key, plan in cache.items() if "/native" in key}
+    assert sorted(key.split("|")[8] for key in timings) == sorted(f"{out}x{inp}" for out, inp in counts)
+    for key in timings:  # timed over every weight of the shape (the tiny model has 2 layers)
+        out, inp = map(int, key.split("|")[8].split("x"))
+        assert key.endswith(f"|{counts[(out, inp)]} weights") if counts[(out, inp)] > 1 else key.endswith("32")
+    assert max(counts.values()) > 1
     assert all(set(plan) == set(map(str, linears.NATIVE_ROWS_TIMED)) for plan in timings.values())
-    forced = {key: {label: "native" if label == "1" else next(c for c in key.split("|")[-2].split("/") if c != "native")
+    forced = {key: {label: "native" if label == "1" else next(c for c in key.split("|")[9].split("/") if c != "native")
                     for label in plan} for key, plan in timings.items()}
     gemm_plan.cache_path().write_text(json.dumps({**cache, **forced}))
     assert {packed.native_rows for packed in wire().values()} == {1}
