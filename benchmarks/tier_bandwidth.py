@@ -360,6 +360,10 @@ def main(argv=None) -> None:
         sizes = [int(s) for s in args.reload_tokens.split(",")]
         if any(s <= 0 or s % 16 for s in sizes):
             parser.error(f"--reload-tokens: {sizes} must be positive multiples of 16")
+        if args.device.startswith("cuda") and not torch.cuda.is_available():
+            parser.error(f"--device {args.device}: this torch sees no CUDA device; use --device cpu")
+        if args.device != "cpu" and not args.device.startswith("cuda"):
+            parser.error(f"--device {args.device}: must be cpu, cuda or cuda:N")
         gpu = f"; GPU: {torch.cuda.get_device_name(args.device)}" if args.device.startswith("cuda") else ""
         print(f"CPU: {cpu_description()}{gpu}; load average {os.getloadavg()}")
         with tempfile.TemporaryDirectory(prefix="corekv-bench-") as workdir:

@@ -6,8 +6,8 @@ read off the CPU's flags: MKL takes its AVX2 path on AMD CPUs with AVX-512, oneD
 (and AVX-512 BF16) kernels there; a bfloat16 GEMM beats float32 on a CPU with bfloat16 dot
 products only if oneDNN uses them (BENCHMARKS.md, "Linears by shape"). So :func:`gemm_plan` times
 the candidates at :data:`FEW_ROWS` and :data:`MANY_ROWS` rows (or the row counts asked for) on the
-layer's own weight (or on all of a model's weights of that shape) and keeps the default (the first candidate) unless another is at least
-:data:`MARGIN` times faster.
+layer's own weight (or on all of a model's weights of that shape) and keeps the default (the first
+candidate) unless another is at least :data:`MARGIN` times faster.
 
 NOTE: the plan is cached (``$COREKV_CACHE_DIR``, default ``~/.cache/corekv``, file
 ``gemm_plans.json``) under a key of the CPU, torch's capability, the libraries' restrictions,
@@ -46,7 +46,7 @@ def gemm_plan(dtype: torch.dtype, shape: tuple[int, int],
     each op runs on that many); from the cache when it has this machine's plan for them, else
     timed and cached."""
     rows = rows or {"few": FEW_ROWS, "many": MANY_ROWS}
-    key = _key(dtype, shape, candidates, rows) + (f"|{weights} weights" if weights > 1 else "")
+    key = _key(dtype, shape, candidates, rows, weights)
     cache = _read_cache()
     plan = cache.get(key)
     if isinstance(plan, dict) and set(plan) == set(rows) and set(plan.values()) <= set(candidates):
@@ -83,7 +83,7 @@ def _best_time(op, x) -> float:
     return best
 
 
-def _key(dtype, shape, candidates, rows) -> str:
+def _key(dtype, shape, candidates, rows, weights) -> str:
     from corekv.engine.cpu.isa import cpu_info
 
     info = cpu_info()
@@ -91,7 +91,8 @@ def _key(dtype, shape, candidates, rows) -> str:
     return "|".join([info.vendor, info.model, info.capability, "bf16dot" if info.has_bf16_dot else "", env,
                      f"torch {torch.__version__}", f"{torch.get_num_threads()} threads", str(dtype),
                      f"{shape[0]}x{shape[1]}", "/".join(candidates)]
-                    + ([] if set(rows) == {"few", "many"} else ["rows " + ",".join(map(str, rows.values()))]))
+                    + ([] if set(rows) == {"few", "many"} else ["rows " + ",".join(map(str, rows.values()))])
+                    + ([f"{weights} weights"] if weights > 1 else []))
 
 
 def _read_cache() -> dict:

@@ -170,9 +170,8 @@ def use_native_linears(hf_model: Any, kernels) -> None:
     the GEMM it replaces pays for the few rows' shape: from 1 row on AMD CPUs (MKL's float32 GEMV
     and oneDNN's take 2-3x its time), from 2 rows on an Intel AVX-512 one (level at 1); its bfloat16
     panels lose to oneDNN's AVX-512 BF16 GEMM from about 8 rows on an AMD Zen 4 but win to 16 on an
-    Intel CPU without it. Timed on one weight kept in cache, oneDNN looks level with it at 1 row
-    where it takes 1.7x its time in a model (BENCHMARKS.md, "Native linears: rows timed per
-    machine").
+    Intel CPU without it. Timed on one weight alone, which stays in cache, the GEMM looks faster
+    against it than it is in a model (BENCHMARKS.md, "Native linears: rows timed per machine").
     """
     from corekv.engine.cpu.gemm_plan import gemm_plan
 
