@@ -84,12 +84,25 @@ inline void in_row_groups(int64_t G, F&& f) {
 
 // ---- paged_decode ----------------------------------------------------------------------------
 
+// Asks for the cache lines of one pool row of D values.
+template <typename T>
+inline void prefetch_row(const T* row, int64_t D) {
+  for (int64_t b = 0; b < D * static_cast<int64_t>(sizeof(T)); b += 64)
+    __builtin_prefetch(reinterpret_cast<const char*>(row) + b);
+}
+
 // s[g][j] = K[j] . q[g] for the tile's nk keys and GB query rows (q scaled, [GB][D]): each key row
-// is loaded once, VL dims at a time, against the GB rows' partial sums in registers.
+// is loaded once, VL dims at a time, against the GB rows' partial sums in registers. Key j also
+// prefetches the K and V lines of row j of the next tile (knext, vnext; np of them).
 template <int GB, typename T>
-inline void decode_scores(const T* const* krow, const float* q, float* s, int nk, int64_t D) {
+inline void decode_scores(const T* const* krow, const float* q, float* s, int nk, int64_t D,
+                          const T* const* knext, const T* const* vnext, int np) {
   const int64_t nv = D / VL * VL;
   for (int j = 0; j < nk; ++j) {
+    if (j < np) {
+      prefetch_row(knext[j], D);
+      prefetch_row(vnext[j], D);
+    }
     const T* k = krow[j];
     vf acc[GB];
     for (int g = 0; g < GB; ++g) acc[g] = splat(0.f);
@@ -130,12 +143,12 @@ inline void decode_values(const T* const* vrow, const float* p, float* o, int nk
 // One tile's scores (values == false) or weighted values for all G rows, up to 4 at a time.
 template <typename T>
 void decode_tile(const T* const* krow, const T* const* vrow, const float* q, float* s, float* o, int nk, int64_t G,
-                 int64_t D, bool values) {
+                 int64_t D, bool values, const T* const* knext = nullptr, const T* const* vnext = nullptr, int np = 0) {
   in_row_groups(G, [&]<int GB>(int64_t g0) {
     if (values)
       decode_values<GB>(vrow, s + g0 * KT, o + g0 * D, nk, D);
     else
-      decode_scores<GB>(krow, q + g0 * D, s + g0 * KT, nk, D);
+      decode_scores<GB>(krow, q + g0 * D, s + g0 * KT, nk, D, knext, vnext, g0 == 0 ? np : 0);
   });
 }
 
@@ -150,33 +163,49 @@ void decode(const float* q, const T* k_pool, const T* v_pool, const int64_t* tab
             int64_t block_stride, int64_t max_blocks, float scale) {
   std::atomic<int64_t> next{0};
   const int64_t num_tasks = R * H;
+  // krow / vrow = the pool rows of keys t0 .. t0 + nk - 1 (nk <= KT) of a task's context
+  auto rows = [&](int64_t task, int64_t t0, const T** krow, const T** vrow) {
+    const int64_t h = task / R, r = task % R;
+    const int64_t* table = tables + r * max_blocks;
+    const int nk = static_cast<int>(std::min<int64_t>(KT, lens[r] - t0));
+    for (int j = 0; j < nk; ++j) {
+      const int64_t key = t0 + j;
+      const int64_t off = table[key / block_size] * block_stride + ((key % block_size) * H + h) * D;
+      krow[j] = k_pool + off;
+      vrow[j] = v_pool + off;
+    }
+    return nk;
+  };
   at::parallel_for(0, std::min<int64_t>(at::get_num_threads(), num_tasks), 1, [&](int64_t, int64_t) {
     std::vector<float> qs(G * D), o(G * D), s(G * KT), m(G), l(G);
-    const T* krow[KT];
-    const T* vrow[KT];
-    for (int64_t task; (task = next.fetch_add(1)) < num_tasks;) {
+    const T* rows_a[2][KT];
+    const T* rows_b[2][KT];
+    const T** krow = rows_a[0];  // this tile's rows
+    const T** vrow = rows_a[1];
+    const T** knext = rows_b[0];  // the next tile's, found while this one computes
+    const T** vnext = rows_b[1];
+    int ready = 0;  // rows of the coming tile already in krow / vrow
+    for (int64_t task = next.fetch_add(1), ahead; task < num_tasks; task = ahead) {
+      ahead = next.fetch_add(1);  // claimed now, so this task's last tile can prefetch its first
       const int64_t h = task / R, r = task % R, n = lens[r];
-      const int64_t* table = tables + r * max_blocks;
       const int64_t base = (r * H + h) * G * D;
       for (int64_t i = 0; i < G * D; ++i) qs[i] = q[base + i] * scale;
       std::fill(o.begin(), o.end(), 0.f);
       std::fill(m.begin(), m.end(), HIDDEN);
       std::fill(l.begin(), l.end(), 0.f);
       for (int64_t t0 = 0; t0 < n; t0 += KT) {
-        const int nk = static_cast<int>(std::min<int64_t>(KT, n - t0));
-        for (int j = 0; j < nk; ++j) {
-          const int64_t key = t0 + j;
-          const int64_t off = table[key / block_size] * block_stride + ((key % block_size) * H + h) * D;
-          krow[j] = k_pool + off;
-          vrow[j] = v_pool + off;
-          // NOTE: the rows of a tile lie in blocks anywhere in the pool: asking for all their lines
-          // now keeps many misses in flight, where the loads alone wait for one row at a time
-          for (int64_t b = 0; b < D * static_cast<int64_t>(sizeof(T)); b += 64) {
-            __builtin_prefetch(reinterpret_cast<const char*>(krow[j]) + b);
-            __builtin_prefetch(reinterpret_cast<const char*>(vrow[j]) + b);
-          }
+        const int nk = ready ? ready : rows(task, t0, krow, vrow);
+        // NOTE: the rows of a tile lie in blocks anywhere in the pool, where no hardware prefetcher
+        // finds them: the scores of this tile ask for the next tile's lines (the next task's first
+        // tile after the last), one row per key, so they arrive while this tile computes.
+        const int np = t0 + KT < n          ? rows(task, t0 + KT, knext, vnext)
+                       : ahead < num_tasks ? rows(ahead, 0, knext, vnext)
+                                           : 0;
+        decode_tile(krow, vrow, qs.data(), s.data(), o.data(), nk, G, D, false, knext, vnext, np);
+        for (int j = nk; j < np; ++j) {  // a short tile before a long one: the rest of its rows
+          prefetch_row(knext[j], D);
+          prefetch_row(vnext[j], D);
         }
-        decode_tile(krow, vrow, qs.data(), s.data(), o.data(), nk, G, D, false);
         for (int64_t g = 0; g < G; ++g) {
           float* sg = s.data() + g * KT;
           for (int j = nk; j < KT; ++j) sg[j] = HIDDEN;  // the tile's tail: weight 0
@@ -196,6 +225,9 @@ void decode(const float* q, const T* k_pool, const T* v_pool, const int64_t* tab
           m[g] = mx;
         }
         decode_tile(krow, vrow, qs.data(), s.data(), o.data(), nk, G, D, true);
+        std::swap(krow, knext);
+        std::swap(vrow, vnext);
+        ready = np;
       }
       for (int64_t g = 0; g < G; ++g) {
         const float inv = 1.f / l[g];
