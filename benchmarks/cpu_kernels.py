@@ -25,9 +25,10 @@ AVX2 (``corekv.engine.cpu.isa.RESTRICT_ENV``: ``ATEN_CPU_CAPABILITY``, ``MKL_ENA
   (corekv's path for single chunks) against a :class:`PrefillGroup`-style shared call plus one
   batched causal call merged through log-sum-exps, and the native prefill kernel that
   ``engine.compile`` builds, reading a real KVPool's layer views (engine/cpu/paged_attention.cpp).
-* ``decode attention``: W1's and W2's decode shapes over a real KVPool's layer views,
-  the torch path (gather the blocks, SDPA with a padding mask) against the native kernel that
-  ``engine.compile`` builds (engine/cpu/paged_attention.cpp).
+* ``decode attention``: W1's and W2's decode shapes over a real KVPool's layer views, one layer
+  repeated (cache-hot) and the 30 layers in turn (cache-cold, as in a decode step): the torch path
+  (gather the blocks, SDPA with a padding mask) against the native kernel
+  (engine/cpu/paged_attention.cpp).
 
 Medians of ``--repeats`` runs, milliseconds; each table's ratios are against its first column.
 """
@@ -205,7 +206,9 @@ def prefill_attention(repeats):
 
 def decode_attention(repeats):
     """Decode attention over a real KVPool's layer views: the torch path (gather the rows' blocks,
-    SDPA with a padding mask) against the native kernel, at W1's and W2's decode shapes."""
+    SDPA with a padding mask) against the native kernel, at W1's and W2's decode shapes, one layer
+    again and again (its KV stays in cache) and the 30 layers in turn (each layer's KV cold when its
+    turn comes, as in a decode step); microseconds per layer."""
     from corekv.engine.kv_pool import KVPool
     from corekv.engine.cpu.native import load_native_attention
 
@@ -215,23 +218,25 @@ def decode_attention(repeats):
     for dtype in (torch.float32, torch.bfloat16):
         pool = KVPool(30, 1000, 16, 3, 64, dtype, "cpu")
         pool.storage.normal_()
-        k_pool, v_pool = pool.layer_kv(5)
-        for label, rows, blocks in (("W1: 5 rows x 10 blocks", 5, 10), ("W2 own blocks: 32 rows x 9 blocks", 32, 9)):
+        for label, rows, blocks, layers in (("W1: 5 rows x 10 blocks", 5, 10, [5]),
+                                            ("W2 own blocks: 32 rows x 9 blocks", 32, 9, [5]),
+                                            ("W2 own blocks, the 30 layers in turn", 32, 9, range(30))):
+            views = [pool.layer_kv(i) for i in layers]
             q = torch.randn(rows, 3, 3, 64).to(dtype)
             tables = torch.randperm(1000)[:rows * blocks].view(rows, blocks)
             lens = torch.full((rows,), blocks * 16 - 3)
             mask = torch.zeros(rows, 1, 1, blocks * 16, dtype=dtype)
             mask[..., -3:] = float("-inf")
 
-            def gathered():
+            def gathered(k_pool, v_pool):
                 k = k_pool.index_select(0, tables.view(-1)).view(rows, -1, 3, 64).transpose(1, 2)
                 v = v_pool.index_select(0, tables.view(-1)).view(rows, -1, 3, 64).transpose(1, 2)
                 return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=0.125)
 
-            out, _ = native(q, k_pool, v_pool, tables, lens, 0.125)
-            assert torch.allclose(out.to(dtype).float(), gathered().float(), atol=1e-2), "the paths must agree"
-            a = median_ms(gathered, repeats) * 1e3
-            b = median_ms(lambda: native(q, k_pool, v_pool, tables, lens, 0.125), repeats) * 1e3
+            out, _ = native(q, *views[0], tables, lens, 0.125)
+            assert torch.allclose(out.to(dtype).float(), gathered(*views[0]).float(), atol=1e-2), "the paths must agree"
+            a = median_ms(lambda: [gathered(*kv) for kv in views], repeats) * 1e3 / len(views)
+            b = median_ms(lambda: [native(q, *kv, tables, lens, 0.125) for kv in views], repeats) * 1e3 / len(views)
             lines.append(f"| {label} | {str(dtype).split('.')[1]} | {a:.0f} | {b:.0f} ({b / a:.2f}x) |")
     return "\n".join(lines)
 
