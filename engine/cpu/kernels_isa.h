@@ -82,6 +82,13 @@ inline void in_row_groups(int64_t G, F&& f) {
   }
 }
 
+// The offset in a layer's K (or V) pool of key `key` of KV head h for a row whose block table is
+// `table`: a layer's pool is [block][token of the block][KV head][D], blocks block_stride apart.
+inline int64_t pool_row(const int64_t* table, int64_t key, int64_t h, int64_t H, int64_t D, int64_t block_size,
+                        int64_t block_stride) {
+  return table[key / block_size] * block_stride + ((key % block_size) * H + h) * D;
+}
+
 // ---- paged_decode ----------------------------------------------------------------------------
 
 // Asks for the cache lines of one pool row of D values.
@@ -170,7 +177,7 @@ void decode(const float* q, const T* k_pool, const T* v_pool, const int64_t* tab
     const int nk = static_cast<int>(std::min<int64_t>(KT, lens[r] - t0));
     for (int j = 0; j < nk; ++j) {
       const int64_t key = t0 + j;
-      const int64_t off = table[key / block_size] * block_stride + ((key % block_size) * H + h) * D;
+      const int64_t off = pool_row(table, key, h, H, D, block_size, block_stride);
       krow[j] = k_pool + off;
       vrow[j] = v_pool + off;
     }
@@ -449,7 +456,7 @@ void prefill(const T* q, int64_t q_stride_t, int64_t q_stride_h, const T* k_pool
         const int nk = static_cast<int>(std::min<int64_t>(KT, num_keys - t0));
         for (int j = 0; j < nk; ++j) {
           const int64_t key = t0 + j;
-          const int64_t off = table[key / block_size] * block_stride + ((key % block_size) * H + h) * D;
+          const int64_t off = pool_row(table, key, h, H, D, block_size, block_stride);
           if (dot)
             kp[j] = reinterpret_cast<const uint16_t*>(k_pool + off);
           else
