@@ -507,24 +507,36 @@ void prefill(const T* q, int64_t q_stride_t, int64_t q_stride_h, const T* k_pool
 
 // ---- small_linear ----------------------------------------------------------------------------
 // Each panel row of PANEL outputs is NVEC vectors that every row of x multiplies with a broadcast
-// scalar (ROWS rows x NVEC vectors of accumulators), the panel is prefetched ahead of the loads, and
-// rows beyond ROWS reuse a DEPTH-deep slice of the panel from L1 instead of reading it again.
+// scalar (ROWS rows x NVEC vectors of accumulators), and rows beyond ROWS reuse a DEPTH-deep slice
+// of the panel from L1 instead of reading it again; while they do, the next slice is prefetched
+// (see Ahead).
 
 constexpr int64_t PANEL = NVEC * VL;  // outputs per panel
 constexpr int ROWS = 6;               // rows of x per block of accumulators
 constexpr int64_t DEPTH = 128;        // k per slice of a panel (at most 32 KiB: in L1 for every block of rows)
 constexpr int64_t PREFETCH = 4096;    // bytes of panel ahead
 
+// What a block of rows prefetches while it multiplies: the first block of a slice reads the slice
+// from memory and asks for its lines PREFETCH bytes ahead into L1; the second asks for the next
+// slice into L2 while the blocks after the first compute from cache, so the next slice's first
+// block does not wait on memory; the rest ask for nothing.
+enum Ahead { AHEAD_NONE, AHEAD_SLICE, AHEAD_NEXT_SLICE };
+
 // out[r][0:PANEL] (+)= sum_{k0 <= k < k1} x[r][k] * panel[k][0:PANEL] for R rows.
-template <int R, typename W>
+template <int R, Ahead A, typename W>
 void rows_block(const float* x, int64_t K, const W* panel, float* out, int64_t N, int64_t k0, int64_t k1) {
   vf acc[R][NVEC];
   for (int r = 0; r < R; ++r)
     for (int j = 0; j < NVEC; ++j) acc[r][j] = k0 == 0 ? vf{} : load(out + r * N + j * VL);
   for (int64_t k = k0; k < k1; ++k) {
     const W* row = panel + k * PANEL;
-    const char* ahead = reinterpret_cast<const char*>(row) + PREFETCH;
-    for (size_t line = 0; line < PANEL * sizeof(W); line += 64) __builtin_prefetch(ahead + line);
+    if constexpr (A == AHEAD_SLICE) {
+      const char* ahead = reinterpret_cast<const char*>(row) + PREFETCH;
+      for (size_t line = 0; line < PANEL * sizeof(W); line += 64) __builtin_prefetch(ahead + line, 0, 3);
+    } else if constexpr (A == AHEAD_NEXT_SLICE) {
+      const char* ahead = reinterpret_cast<const char*>(row + DEPTH * PANEL);
+      for (size_t line = 0; line < PANEL * sizeof(W); line += 64) __builtin_prefetch(ahead + line, 0, 2);
+    }
     vf w[NVEC];
     for (int j = 0; j < NVEC; ++j) w[j] = load(row + j * VL);
     for (int r = 0; r < R; ++r) {
@@ -536,26 +548,46 @@ void rows_block(const float* x, int64_t K, const W* panel, float* out, int64_t N
     for (int j = 0; j < NVEC; ++j) store(out + r * N + j * VL, acc[r][j]);
 }
 
+template <Ahead A, typename W>
+void rows_block_of(int64_t rows, const float* x, int64_t K, const W* panel, float* out, int64_t N, int64_t k0, int64_t k1) {
+  static_assert(ROWS == 6, "the cases below are ROWS' block sizes");
+  switch (rows) {
+    case 1: rows_block<1, A>(x, K, panel, out, N, k0, k1); break;
+    case 2: rows_block<2, A>(x, K, panel, out, N, k0, k1); break;
+    case 3: rows_block<3, A>(x, K, panel, out, N, k0, k1); break;
+    case 4: rows_block<4, A>(x, K, panel, out, N, k0, k1); break;
+    case 5: rows_block<5, A>(x, K, panel, out, N, k0, k1); break;
+    default: rows_block<6, A>(x, K, panel, out, N, k0, k1); break;
+  }
+}
+
 template <typename W>
 void panels_times_rows(const float* xp, const W* wp, float* op, int64_t M, int64_t K, int64_t panels) {
   const int64_t N = panels * PANEL;
-  at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t p = begin; p < end; ++p) {
+  // NOTE: a thread per share of the panels, unless the panels do not share evenly (a 576-output
+  // weight has 9 of AVX-512's, a 192-output one 3) and the rows are many enough for the multiplying
+  // to outweigh reading a panel (two blocks of rows per thread): then each panel's rows split in one
+  // part per thread too, so that no thread waits on another's extra panel; the second reader of a
+  // panel finds it in the shared cache.
+  const int64_t threads = at::get_num_threads();
+  const int64_t parts = panels % threads && M >= 2 * ROWS * threads ? threads : 1;
+  const int64_t part_rows = (M + parts - 1) / parts;
+  at::parallel_for(0, panels * parts, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t p = item / parts, m_begin = item % parts * part_rows, m_end = std::min(M, m_begin + part_rows);
       const W* panel = wp + p * K * PANEL;
       for (int64_t k0 = 0; k0 < K; k0 += DEPTH) {
         const int64_t k1 = std::min(K, k0 + DEPTH);
-        for (int64_t m0 = 0; m0 < M; m0 += ROWS) {
+        for (int64_t m0 = m_begin; m0 < m_end; m0 += ROWS) {
+          const int64_t rows = std::min<int64_t>(ROWS, m_end - m0);
           const float* xm = xp + m0 * K;
           float* om = op + m0 * N + p * PANEL;
-          static_assert(ROWS == 6, "the cases below are ROWS' block sizes");
-          switch (std::min<int64_t>(ROWS, M - m0)) {
-            case 1: rows_block<1>(xm, K, panel, om, N, k0, k1); break;
-            case 2: rows_block<2>(xm, K, panel, om, N, k0, k1); break;
-            case 3: rows_block<3>(xm, K, panel, om, N, k0, k1); break;
-            case 4: rows_block<4>(xm, K, panel, om, N, k0, k1); break;
-            case 5: rows_block<5>(xm, K, panel, om, N, k0, k1); break;
-            default: rows_block<6>(xm, K, panel, om, N, k0, k1); break;
-          }
+          if (m0 == m_begin)
+            rows_block_of<AHEAD_SLICE>(rows, xm, K, panel, om, N, k0, k1);
+          else if (m0 == m_begin + ROWS)
+            rows_block_of<AHEAD_NEXT_SLICE>(rows, xm, K, panel, om, N, k0, k1);
+          else
+            rows_block_of<AHEAD_NONE>(rows, xm, K, panel, om, N, k0, k1);
         }
       }
     }

@@ -7,9 +7,10 @@
 // weights well below the rate one row does (benchmarks/cpu_kernels.py; BENCHMARKS.md, "Native
 // float32 linear for 2-32 rows"); a decode step's rows should stream each weight once. Each panel
 // row of P outputs is a few vectors that every row of x multiplies with a broadcast scalar (6 rows
-// of accumulators: 24 of AVX-512's 32 registers, 12 of AVX2's 16), the panel is prefetched ahead of
-// the loads, and rows beyond 6 reuse a 128-deep slice of the panel from L1 instead of reading the
-// panel again (the code: kernels_isa.h). A bfloat16 panel is widened to float32 as it is loaded (a
+// of accumulators: 24 of AVX-512's 32 registers, 12 of AVX2's 16), rows beyond 6 reuse a 128-deep
+// slice of the panel from L1 instead of reading the panel again, and the next slice is prefetched
+// while they do; panels that do not share evenly among the threads share their rows too (the code:
+// kernels_isa.h). A bfloat16 panel is widened to float32 as it is loaded (a
 // bfloat16 value is the high half of a float32's bits), so each product is exact in float32 and
 // sums in float32, as oneDNN's bfloat16 GEMM does, from half the bytes.
 #include <torch/extension.h>

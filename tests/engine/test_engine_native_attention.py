@@ -228,26 +228,34 @@ def test_the_build_finds_the_ninja_wheel_when_no_ninja_is_on_path(tmp_path):
 
 @pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("rows", [1, 5, 6, 7, 32])
-def test_small_linear_equals_a_float64_product(rows, dtype, isa):
+@pytest.mark.parametrize("rows", [1, 5, 6, 7, 13, 32, 37])
+@pytest.mark.parametrize("out_features, threads", [(192, 2), (320, 3)])
+def test_small_linear_equals_a_float64_product(rows, dtype, isa, out_features, threads):
     """Row counts around the kernel's blocks of 6, an input size that is not a multiple of its
     128-deep slices, with and without bias; the packed copy is taken from a strided weight (the
-    transposed layout corekv gives float32 weights). bfloat16 sums in float32 and rounds once: within
-    half a bfloat16 step (2^-8 relative) of the exact product of the bfloat16 values."""
+    transposed layout corekv gives float32 weights). Panels that do not share evenly among the
+    threads (3 or 5 of AVX-512's, 20 of AVX2's among 3 threads) split their rows among them from 24
+    or 36 rows. bfloat16 sums in float32 and rounds once: within half a bfloat16 step (2^-8
+    relative) of the exact product of the bfloat16 values."""
     kernels = kernels_for(isa)
     torch.manual_seed(rows)
-    weight = torch.randn(200, 192).t().to(dtype)  # [192 out, 200 in], column-major
-    bias = torch.randn(192).to(dtype)
+    weight = torch.randn(200, out_features).t().to(dtype)  # [out, 200 in], column-major
+    bias = torch.randn(out_features).to(dtype)
     x = torch.randn(rows, 200).to(dtype)
     packed = kernels.pack_linear_weight(weight)
     panel = 16 if isa == "avx2" else 64
-    assert packed.shape == (192 // panel, 200, panel) and packed.dtype == dtype
+    assert packed.shape == (out_features // panel, 200, panel) and packed.dtype == dtype
     rtol = 1e-5 if dtype == torch.float32 else 2 ** -8
-    for b in (None, bias):
-        out = kernels.small_linear(x, packed, b)
-        assert out.dtype == dtype
-        expected = F.linear(x.double(), weight.double(), None if b is None else b.double())
-        torch.testing.assert_close(out.double(), expected, rtol=rtol, atol=1e-4)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for b in (None, bias):
+            out = kernels.small_linear(x, packed, b)
+            assert out.dtype == dtype
+            expected = F.linear(x.double(), weight.double(), None if b is None else b.double())
+            torch.testing.assert_close(out.double(), expected, rtol=rtol, atol=1e-4)
+    finally:
+        torch.set_num_threads(before)
 
 
 def test_small_linear_checks_its_arguments():
