@@ -11,7 +11,8 @@ candidate) unless another is at least :data:`MARGIN` times faster.
 
 NOTE: the plan is cached (``$COREKV_CACHE_DIR``, default ``~/.cache/corekv``, file
 ``gemm_plans.json``) under a key of the CPU, torch's capability, the libraries' restrictions,
-torch's version, the thread count, dtype and shape, so that a machine keeps its choice across
+torch's version, the thread count, dtype and shape (and the native kernels' sources, where they
+are a candidate), so that a machine keeps its choice across
 starts: its greedy tokens do not change with a timing's noise, and a second start does not time
 again. An unwritable cache only means timing every start.
 """
@@ -39,14 +40,15 @@ _ENV = ("ATEN_CPU_CAPABILITY", "MKL_ENABLE_INSTRUCTIONS", "ONEDNN_MAX_CPU_ISA")
 
 def gemm_plan(dtype: torch.dtype, shape: tuple[int, int],
               candidates: dict[str, Callable[[torch.Tensor], torch.Tensor]],
-              rows: dict[str, int] | None = None, weights: int = 1) -> dict[str, str]:
+              rows: dict[str, int] | None = None, weights: int = 1, revision: str = "") -> dict[str, str]:
     """``{label: name}``: the candidate (``name -> op(x)``; the first is the default) that runs
     ``x`` of each label's row count (``rows``, default ``{"few": FEW_ROWS, "many": MANY_ROWS}``),
     for a weight of ``shape`` ``(out, in)`` and ``dtype`` (or ``weights`` of them in turn, when
     each op runs on that many); from the cache when it has this machine's plan for them, else
-    timed and cached."""
+    timed and cached. ``revision`` names the candidates' own code where it can change under the
+    same names (corekv's native kernels): a plan timed on other code is timed again."""
     rows = rows or {"few": FEW_ROWS, "many": MANY_ROWS}
-    key = _key(dtype, shape, candidates, rows, weights)
+    key = _key(dtype, shape, candidates, rows, weights, revision)
     cache = _read_cache()
     plan = cache.get(key)
     if isinstance(plan, dict) and set(plan) == set(rows) and set(plan.values()) <= set(candidates):
@@ -83,7 +85,7 @@ def _best_time(op, x) -> float:
     return best
 
 
-def _key(dtype, shape, candidates, rows, weights) -> str:
+def _key(dtype, shape, candidates, rows, weights, revision) -> str:
     from corekv.engine.cpu.isa import cpu_info
 
     info = cpu_info()
@@ -92,7 +94,8 @@ def _key(dtype, shape, candidates, rows, weights) -> str:
                      f"torch {torch.__version__}", f"{torch.get_num_threads()} threads", str(dtype),
                      f"{shape[0]}x{shape[1]}", "/".join(candidates)]
                     + ([] if set(rows) == {"few", "many"} else ["rows " + ",".join(map(str, rows.values()))])
-                    + ([f"{weights} weights"] if weights > 1 else []))
+                    + ([f"{weights} weights"] if weights > 1 else [])
+                    + ([f"kernels {revision}"] if revision else []))
 
 
 def _read_cache() -> dict:

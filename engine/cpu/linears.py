@@ -190,7 +190,8 @@ def use_native_linears(hf_model: Any, kernels) -> None:
         calls = [(m.weight.detach(), m.bias, m._corekv_packed) for m in modules]
         candidates = {few: lambda x: [_GEMMS[few](x, w, bias, packed) for w, bias, packed in calls],
                       "native": lambda x: [packed.small_linear(x, packed.panels, bias) for _, bias, packed in calls]}
-        plan = gemm_plan(dtype, shape, candidates, {str(rows): rows for rows in NATIVE_ROWS_TIMED}, len(calls))
+        plan = gemm_plan(dtype, shape, candidates, {str(rows): rows for rows in NATIVE_ROWS_TIMED}, len(calls),
+                         kernels.revision)
         native_rows = _native_bound(plan)
         for _, _, packed in calls:
             packed.native_rows = native_rows

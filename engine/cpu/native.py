@@ -35,6 +35,7 @@ at once (ninja rebuilds only what changed).
 """
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import platform
@@ -49,6 +50,7 @@ from corekv.errors import CoreKVError, describe_exception
 SOURCES = [Path(__file__).with_name(name) for name in
            ("paged_attention.cpp", "small_linear.cpp", "elementwise.cpp", "isa_avx512.cpp", "isa_avx2.cpp",
             "isa_generic.cpp")]
+HEADERS = [Path(__file__).with_name(name) for name in ("kernels.h", "kernels_isa.h")]
 #: pool dtypes the kernels read (a float16 model keeps the torch path)
 NATIVE_DTYPES = (torch.float32, torch.bfloat16)
 #: the built extension module (its submodules: one per instruction set this CPU runs)
@@ -82,6 +84,8 @@ class NativeKernels(NamedTuple):
     rotary: Callable
     #: the instruction set whose code they run: ``avx512``, ``avx2`` or ``generic``
     isa: str
+    #: a digest of the sources they were built from (plans timed on other code are timed again)
+    revision: str
 
 
 class NativeBuildError(CoreKVError):
@@ -107,7 +111,7 @@ def load_native_attention(isa: str | None = None) -> NativeKernels:
     if isa not in _kernels:
         sub = getattr(module, isa)
         _kernels[isa] = NativeKernels(sub.paged_decode, sub.paged_prefill, sub.pack_linear_weight, sub.small_linear,
-                                      sub.rms_norm, sub.silu_mul, sub.rotary, isa)
+                                      sub.rms_norm, sub.silu_mul, sub.rotary, isa, _revision())
     return _kernels[isa]
 
 
@@ -135,6 +139,13 @@ def built_isas() -> list[str]:
     """The instruction sets the built kernels have code for and this CPU runs, widest first (builds
     the kernels first if this process has not; raises :class:`NativeBuildError`)."""
     return list(_build().isas())
+
+
+def _revision() -> str:
+    digest = hashlib.sha256()
+    for path in (*SOURCES, *HEADERS):
+        digest.update(path.read_bytes())
+    return digest.hexdigest()[:12]
 
 
 def _build():

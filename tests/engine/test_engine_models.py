@@ -186,6 +186,25 @@ def test_a_gemm_plan_is_timed_once_per_machine_and_read_back(tmp_path, monkeypat
     assert json.loads(gemm_plan.cache_path().read_text())  # timed again and rewritten
 
 
+
+def test_a_plan_timed_on_other_kernel_code_is_timed_again(tmp_path, monkeypatch):
+    """A plan cached under one ``revision`` of the candidates' code (the native kernels' sources)
+    is honoured for that revision only: another revision times the candidates again. The two
+    candidates differ by a 5 ms sleep, so the timing's choice is not in doubt."""
+    import time
+
+    from corekv.engine.cpu import gemm_plan
+
+    monkeypatch.setenv("COREKV_CACHE_DIR", str(tmp_path))
+    candidates = {"slow": lambda x: time.sleep(0.005), "fast": lambda x: x}
+    assert gemm_plan.gemm_plan(torch.float32, (64, 64), candidates, revision="aaa") == {"few": "fast", "many": "fast"}
+    cache = json.loads(gemm_plan.cache_path().read_text())
+    (key,) = cache
+    assert key.endswith("|kernels aaa")
+    gemm_plan.cache_path().write_text(json.dumps({key: {"few": "slow", "many": "slow"}}))
+    assert gemm_plan.gemm_plan(torch.float32, (64, 64), candidates, revision="aaa")["few"] == "slow"  # cached
+    assert gemm_plan.gemm_plan(torch.float32, (64, 64), candidates, revision="bbb")["few"] == "fast"  # timed
+
 # ---- architectures that cannot be served -----------------------------------------------------
 
 def test_sliding_window_model_is_refused(tmp_path):

@@ -331,9 +331,9 @@ def test_native_linears_serve_only_a_native_runners_decode_sized_steps(dtype, mo
     pool = KVPool(loaded.num_layers, 8, 16, loaded.num_kv_heads, loaded.head_dim, loaded.dtype, "cpu")
     module = next(m for m in loaded.model.modules() if isinstance(m, torch.nn.Linear) and m.weight.shape[0] == 128)
     timed = gemm_plan.gemm_plan
-    monkeypatch.setattr(gemm_plan, "gemm_plan", lambda dtype, shape, candidates, rows=None, weights=1: (
+    monkeypatch.setattr(gemm_plan, "gemm_plan", lambda dtype, shape, candidates, rows=None, weights=1, revision="": (
         {label: "native" if count <= 8 else next(iter(candidates)) for label, count in rows.items()}
-        if "native" in candidates else timed(dtype, shape, candidates, rows, weights)))
+        if "native" in candidates else timed(dtype, shape, candidates, rows, weights, revision)))
     least, most = 1, 8
     all_rows = [1, 2, 8, 9, 200]
     inputs = {rows: torch.randn(1, rows, module.weight.shape[1]).to(loaded.dtype) for rows in all_rows}
@@ -408,9 +408,11 @@ def test_native_rows_are_timed_per_shape_cached_and_bound_at_the_first_loss(tmp_
     cache = json.loads(gemm_plan.cache_path().read_text())
     timings = {key: plan for key, plan in cache.items() if "/native" in key}
     assert sorted(key.split("|")[8] for key in timings) == sorted(f"{out}x{inp}" for out, inp in counts)
-    for key in timings:  # timed over every weight of the shape (the tiny model has 2 layers)
+    revision = load_native_attention().revision
+    for key in timings:  # timed over every weight of the shape (the tiny model has 2 layers), by these kernels
         out, inp = map(int, key.split("|")[8].split("x"))
-        assert key.endswith(f"|{counts[(out, inp)]} weights") if counts[(out, inp)] > 1 else key.endswith("32")
+        assert key.endswith((f"|{counts[(out, inp)]} weights" if counts[(out, inp)] > 1 else "32")
+                            + f"|kernels {revision}")
     assert max(counts.values()) > 1
     assert all(set(plan) == set(map(str, linears.NATIVE_ROWS_TIMED)) for plan in timings.values())
     forced = {key: {label: "native" if label == "1" else next(c for c in key.split("|")[9].split("/") if c != "native")
