@@ -7,6 +7,8 @@ once, and returns the logits of each chunk's last token.
 """
 from __future__ import annotations
 
+import sys
+
 from collections.abc import Sequence
 from dataclasses import dataclass
 from itertools import chain
@@ -47,7 +49,7 @@ class ScheduledChunk:
 #: NOTE: a cascade costs an extra attention call and the merge, which a small saving does not pay
 #: for; the threshold is the torch path's measured break-even (BENCHMARKS.md, "decode cascade only
 #: when it saves >= 1,024 tokens of gathering"), where the saving is a gather. The native decode
-#: kernel reads blocks in place, so its own break-even may lie elsewhere.
+#: kernel reads blocks in place and needs no cascade (see ModelRunner).
 CASCADE_MIN_SAVED_TOKENS = 1024
 #: prefill chunks of at most this many tokens after some context (a decode and its drafts) share one
 #: padded attention call per length (:class:`ShortChunkGroup`) instead of a masked call each
@@ -64,10 +66,12 @@ class ModelRunner:
     """
 
     def __init__(self, loaded: LoadedModel, kv_pool: KVPool, *,
-                 cascade_min_saved_tokens: int = CASCADE_MIN_SAVED_TOKENS, compile: bool = False,
+                 cascade_min_saved_tokens: int | None = None, compile: bool = False,
                  native: bool | None = None) -> None:
-        if not isinstance(cascade_min_saved_tokens, int) or cascade_min_saved_tokens < 0:
-            raise CoreKVError(f"ModelRunner: cascade_min_saved_tokens must be an int >= 0, got "
+        if cascade_min_saved_tokens is not None and (
+                not isinstance(cascade_min_saved_tokens, int) or isinstance(cascade_min_saved_tokens, bool)
+                or cascade_min_saved_tokens < 0):
+            raise CoreKVError(f"ModelRunner: cascade_min_saved_tokens must be None or an int >= 0, got "
                               f"{cascade_min_saved_tokens!r}; 0 takes the cascade path for any shared block")
         expected = (loaded.num_layers, loaded.num_kv_heads, loaded.head_dim, loaded.dtype, loaded.device)
         got = (kv_pool.num_layers, kv_pool.num_kv_heads, kv_pool.head_dim, kv_pool.dtype, kv_pool.device)
@@ -85,7 +89,6 @@ class ModelRunner:
         self.device = kv_pool.device
         self._gather_buffers: dict[str, torch.Tensor] = {}
         self._queries_per_kv_head = loaded.hf_config.num_attention_heads // loaded.num_kv_heads
-        self._cascade_min_saved_blocks = -(-cascade_min_saved_tokens // self.block_size)
         if not isinstance(compile, bool):
             raise CoreKVError(f"ModelRunner: compile must be True or False, got {compile!r}")
         # NOTE: torch.compile wraps the model without changing it (a LoadedModel may be shared, and
@@ -105,6 +108,13 @@ class ModelRunner:
                 f"{' or '.join(map(str, NATIVE_DTYPES))}; got {native!r} for a {kv_pool.dtype} pool "
                 f"on {self.device}: pass native=False (or None) there")
         self._native = load_native_attention() if native else None
+        # NOTE: by default (None) the native runner's decodes take no cascade: the kernel reads a
+        # shared prefix's blocks in place, row after row of a KV head while they are in cache, which
+        # costs less than a separate attention call over them and the merge (BENCHMARKS.md, "Session
+        # 19"); the torch path's threshold is a gather's break-even.
+        if cascade_min_saved_tokens is None:
+            cascade_min_saved_tokens = sys.maxsize if self._native is not None else CASCADE_MIN_SAVED_TOKENS
+        self._cascade_min_saved_blocks = -(-cascade_min_saved_tokens // self.block_size)
         if self._native is not None:
             use_native_linears(self.model, self._native)
             use_native_elementwise(self.model)

@@ -308,6 +308,28 @@ def test_small_decode_groups_take_the_plain_path_by_default_and_match_the_cascad
         make_runner(tiny_llama, cascade_min_saved_tokens=-1)
 
 
+
+def test_native_decodes_take_no_cascade_by_default_and_match_the_cascade(tiny_llama):
+    """By default (``cascade_min_saved_tokens=None``) a native runner's decodes read a shared
+    prefix in place, in one group with no shared blocks, even where the cascade would save every
+    shared block; asked for (threshold 0) it takes the cascade, with the same logits. The torch
+    path's default stays CASCADE_MIN_SAVED_TOKENS."""
+    assert make_runner(tiny_llama, cascade_min_saved_tokens=None)._cascade_min_saved_blocks == \
+        CASCADE_MIN_SAVED_TOKENS // 16
+    shared = random_ids(62, 64)
+    seqs = [shared + random_ids(63 + i, n) for i, n in enumerate((3, 20, 40, 7))]
+    tables = [[17, 3, 11, 5] + [20 + 3 * i, 21 + 3 * i, 22 + 3 * i] for i in range(4)]
+    results = []
+    for threshold in (None, 0):
+        runner = make_runner(tiny_llama, num_blocks=40, block_size=16, cascade_min_saved_tokens=threshold, native=True)
+        runner.execute([ScheduledChunk(s[:-1], 0, t) for s, t in zip(seqs, tables)])
+        groups = []
+        original = runner._decode_group
+        runner._decode_group = lambda *a: groups.append(a[-1]) or original(*a)
+        results.append(runner.execute([ScheduledChunk([s[-1]], len(s) - 1, t) for s, t in zip(seqs, tables)]))
+        assert groups == ([0] if threshold is None else [4])  # shared blocks per decode group
+    torch.testing.assert_close(results[0], results[1], rtol=1e-5, atol=1e-5)
+
 def test_equal_prefill_chunks_after_the_same_cached_blocks_take_the_group_path_and_match_hf(tiny_llama, hf_attention):
     """W2's shape in small: prompts sharing a cached prefix, their equal-length remainders in one
     step. Those form a PrefillGroup (shared blocks attended once, one batched causal call); a
