@@ -89,14 +89,14 @@ inline int64_t pool_row(const int64_t* table, int64_t key, int64_t h, int64_t H,
   return table[key / block_size] * block_stride + ((key % block_size) * H + h) * D;
 }
 
-// ---- paged_decode ----------------------------------------------------------------------------
-
-// Asks for the cache lines of one pool row of D values.
-template <typename T>
-inline void prefetch_row(const T* row, int64_t D) {
-  for (int64_t b = 0; b < D * static_cast<int64_t>(sizeof(T)); b += 64)
-    __builtin_prefetch(reinterpret_cast<const char*>(row) + b);
+// Asks for the cache lines of n values from row on, into L1 (LOCALITY 3) or L2 (2).
+template <int LOCALITY = 3, typename T>
+inline void prefetch_row(const T* row, int64_t n) {
+  for (int64_t b = 0; b < n * static_cast<int64_t>(sizeof(T)); b += 64)
+    __builtin_prefetch(reinterpret_cast<const char*>(row) + b, 0, LOCALITY);
 }
+
+// ---- paged_decode ----------------------------------------------------------------------------
 
 // s[g][j] = K[j] . q[g] for the tile's nk keys and GB query rows (q scaled, [GB][D]): each key row
 // is loaded once, VL dims at a time, against the GB rows' partial sums in registers. Key j also
@@ -530,13 +530,10 @@ void rows_block(const float* x, int64_t K, const W* panel, float* out, int64_t N
     for (int j = 0; j < NVEC; ++j) acc[r][j] = k0 == 0 ? vf{} : load(out + r * N + j * VL);
   for (int64_t k = k0; k < k1; ++k) {
     const W* row = panel + k * PANEL;
-    if constexpr (A == AHEAD_SLICE) {
-      const char* ahead = reinterpret_cast<const char*>(row) + PREFETCH;
-      for (size_t line = 0; line < PANEL * sizeof(W); line += 64) __builtin_prefetch(ahead + line, 0, 3);
-    } else if constexpr (A == AHEAD_NEXT_SLICE) {
-      const char* ahead = reinterpret_cast<const char*>(row + DEPTH * PANEL);
-      for (size_t line = 0; line < PANEL * sizeof(W); line += 64) __builtin_prefetch(ahead + line, 0, 2);
-    }
+    if constexpr (A == AHEAD_SLICE)
+      prefetch_row(row + PREFETCH / sizeof(W), PANEL);
+    else if constexpr (A == AHEAD_NEXT_SLICE)
+      prefetch_row<2>(row + DEPTH * PANEL, PANEL);
     vf w[NVEC];
     for (int j = 0; j < NVEC; ++j) w[j] = load(row + j * VL);
     for (int r = 0; r < R; ++r) {
