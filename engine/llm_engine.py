@@ -21,6 +21,8 @@ import time
 from collections.abc import Iterator, Mapping
 from typing import Any
 
+import torch
+
 from corekv.config import Config
 from corekv.errors import ConfigError, CoreKVError, describe_exception
 from corekv.engine.cpu.native import NativeBuildError, wants_native_kernels
@@ -200,6 +202,9 @@ class Engine:
                                                 self._sample)
         else:
             token_ids = self._sample(logits, seqs, rows)
+        if any(seq.is_finished for seq in seqs):  # NOTE: aborted because its sampling failed
+            kept = [(seq, t) for seq, t in zip(seqs, token_ids) if not seq.is_finished]
+            seqs, token_ids = [seq for seq, _ in kept], [t for _, t in kept]
         if self.speculative is not None and batch:  # NOTE: after sampling, which waits for the device
             self.speculative.observe_step(sum(i.num_tokens + len(i.draft_token_ids) for i in batch),
                                           time.perf_counter() - started)
@@ -447,22 +452,61 @@ class Engine:
         return child
 
     def _sample(self, logits, seqs: list[Sequence], rows: list[int]) -> list[int]:
+        """One token per sequence; a sequence whose own sampling fails is aborted with the error
+        (its token is then a placeholder, dropped by ``_step``), and the others keep theirs.
+
+        NOTE: request isolation's second wall, behind the argument checks. A step is not retried
+        whole (the forward has already advanced every sequence); what one request's arguments
+        reach is its logits processors and its sampler row, so the batch is sampled again row by
+        row, from the same generator states, and only the rows that fail again are aborted.
+        """
         if not seqs:
             return []
         # NOTE: in a pure decode step every row samples once, in order: skip the [rows] gather,
         # which copies the whole [batch, vocab] logits.
         if rows != list(range(logits.shape[0])):
             logits = logits[rows]
+        states = _rng_states(seqs)
+        try:
+            return self._sample_rows(logits, seqs)
+        except Exception as error:
+            logger.warning("sampling a batch of %d failed (%s); sampling it row by row to find the "
+                           "request that caused it", len(seqs), describe_exception(error))
+        _set_rng_states(states)
+        token_ids = []
+        for row, seq in enumerate(seqs):
+            if seq.is_finished:  # NOTE: a fork of a request that already failed in this step
+                token_ids.append(0)
+                continue
+            try:
+                token_ids += self._sample_rows(logits[row:row + 1], [seq])
+            except Exception as error:
+                self._fail_request(seq.request_id, error)
+                token_ids.append(0)
+        return token_ids
+
+    def _sample_rows(self, logits, seqs: list[Sequence]) -> list[int]:
         params = [s.params for s in seqs]
         # NOTE: the sampler draws from the processed logits; logprobs are of the raw ones (vLLM's default)
         processed = apply_logits_processors(logits, params, [s.token_ids for s in seqs],
                                             [s.num_prompt_tokens for s in seqs], self.model.eos_token_ids)
         token_ids = self.sampler(processed, params, [s.generator for s in seqs])
+        if max(token_ids) >= logits.shape[1]:  # NOTE: NaN weights pick past the vocabulary
+            raise ValueError(f"the sampler picked token {max(token_ids)} of a vocabulary of "
+                             f"{logits.shape[1]} (NaN logits or weights)")
         if any(p.logprobs is not None for p in params):
             for seq, logprobs in zip(seqs, token_logprobs(logits, token_ids, [p.logprobs for p in params])):
                 if logprobs is not None:
                     seq.output_logprobs.append(logprobs)
         return token_ids
+
+    def _fail_request(self, request_id: str, error: Exception) -> None:
+        """Abort every sequence of a request whose sampling failed; its output carries why."""
+        request = self._requests[request_id]
+        request.error = f"sampling this request failed: {describe_exception(error)}"
+        logger.error("request %s aborted: %s", request_id, request.error)
+        for seq in request.seqs:
+            self.scheduler.abort(seq)
 
     @staticmethod
     def _chunk(item: ScheduledSeq) -> ScheduledChunk:
@@ -493,6 +537,24 @@ class Engine:
                 hook.corekv_on_request_finished(output=output)
                 outputs.append(output)
         return outputs
+
+
+def _rng_states(seqs: list[Sequence]) -> tuple | None:
+    """The random states a sampling call may draw from (the seeded rows' generators, the global
+    RNG), so a failed call can be redone from where it began; None for a greedy batch."""
+    if all(s.params.is_greedy for s in seqs):
+        return None  # NOTE: the common case costs nothing: greedy rows draw no random number
+    generators = {s.generator for s in seqs if s.generator is not None}
+    uses_global = any(s.generator is None and not s.params.is_greedy for s in seqs)
+    return torch.get_rng_state() if uses_global else None, [(g, g.get_state()) for g in generators]
+
+
+def _set_rng_states(states: tuple | None) -> None:
+    if states is not None:
+        if states[0] is not None:
+            torch.set_rng_state(states[0])
+        for generator, state in states[1]:
+            generator.set_state(state)
 
 
 class _NoBar:

@@ -76,6 +76,8 @@ class RequestOutput:
     :param ttft_s: seconds from arrival to the first output token.
     :param outputs: every completion (``n`` of them).
     :param num_preemptions: how many times the request was preempted and recomputed.
+    :param error: why the engine ended this request (``finish_reason="abort"``) when sampling its
+        next token failed; None otherwise. The other requests of that step went on.
     """
 
     request_id: str
@@ -86,6 +88,7 @@ class RequestOutput:
     ttft_s: float | None
     outputs: list[CompletionOutput]
     num_preemptions: int = 0
+    error: str | None = None
 
     @property
     def text(self) -> str:

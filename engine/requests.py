@@ -46,6 +46,8 @@ class Request:
     is_internal: bool = False
     #: False: the request's blocks are never written to a storage tier (reads still hit them)
     offload: bool = True
+    #: why the engine aborted it (its sampling failed); None while it runs or ended normally
+    error: str | None = None
 
 
 def _is_single_prompt(value: Any) -> bool:
@@ -94,15 +96,17 @@ def check_request_fits(num_prompt_tokens: int, params: SamplingParams, *, num_bl
     capacity = num_blocks - num_pinned_blocks
     needed = -(-num_tokens // block_size)
     if needed > capacity:
+        blame = "max_tokens" if -(-params.max_tokens // block_size) > capacity else None
         raise RequestRejectedError(
             f"a request of {num_prompt_tokens} prompt tokens + max_tokens={params.max_tokens} needs "
             f"{needed} KV blocks of {block_size} tokens, but the pool has {capacity} usable "
             f"({num_blocks} minus {num_pinned_blocks} pinned); raise engine.num_blocks or "
-            "engine.kv_cache_memory, or lower max_tokens or the prompt length")
+            "engine.kv_cache_memory, or lower max_tokens or the prompt length", field=blame)
     if max_model_len is not None and num_tokens + 1 > max_model_len:
         raise RequestRejectedError(
             f"a request of {num_prompt_tokens} prompt tokens + max_tokens={params.max_tokens} exceeds "
-            f"the model's context of {max_model_len} tokens; shorten the prompt or lower max_tokens")
+            f"the model's context of {max_model_len} tokens; shorten the prompt or lower max_tokens",
+            field="max_tokens" if params.max_tokens >= max_model_len else None)
     if not enable_chunked_prefill and num_prompt_tokens > max_num_batched_tokens:
         raise RequestRejectedError(
             f"a prompt of {num_prompt_tokens} tokens exceeds engine.max_num_batched_tokens="
@@ -110,7 +114,7 @@ def check_request_fits(num_prompt_tokens: int, params: SamplingParams, *, num_bl
             "max_num_batched_tokens")
     if params.n > max_num_seqs:
         raise RequestRejectedError(f"SamplingParams.n={params.n} exceeds engine.max_num_seqs="
-                                   f"{max_num_seqs}; lower n or raise engine.max_num_seqs")
+                                   f"{max_num_seqs}; lower n or raise engine.max_num_seqs", field="n")
 
 
 def check_logit_bias(params: SamplingParams, vocab_size: int) -> None:
@@ -178,7 +182,7 @@ def make_output(request: Request) -> RequestOutput:
         request_id=request.request_id, prompt=request.prompt,
         prompt_token_ids=list(request.prompt_token_ids), num_cached_tokens=num_cached,
         cached_tokens_by_tier=by_tier, ttft_s=head.ttft_s, outputs=completions,
-        num_preemptions=sum(s.num_preemptions for s in request.seqs))
+        num_preemptions=sum(s.num_preemptions for s in request.seqs), error=request.error)
 
 
 def _short(value: Any) -> str:

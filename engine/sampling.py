@@ -34,6 +34,13 @@ from corekv.errors import CoreKVError
 __all__ = ["Sampler", "SamplingParams", "SamplingParamsError", "make_generator", "MAX_LOGPROBS"]
 
 _MAX_SEED = 2**63 - 1
+# NOTE: the sampler works in float32. A positive temperature below 1e-30 (or a repetition penalty
+# outside [1e-2, 1e2]) underflows or overflows there into NaN weights, and NaN weights pick a
+# token outside the vocabulary: such values are refused, not clamped. Below 1e-30 a temperature
+# already picks the argmax; use 0 for that.
+MIN_TEMPERATURE = 1e-30
+MAX_TEMPERATURE = 100.0  # far past any useful value (OpenAI documents [0, 2]); flat sampling at 100
+MIN_REPETITION_PENALTY, MAX_REPETITION_PENALTY = 1e-2, 1e2
 #: the most top log-probabilities a request may ask for per token (OpenAI's chat limit, vLLM's default)
 MAX_LOGPROBS = 20
 # NOTE: a top-p nucleus of a trained model is rarely more than a few dozen tokens; a wider one costs
@@ -56,7 +63,9 @@ class SamplingParamsError(CoreKVError, ValueError):
 
 
 def _fail(field: str, value: Any, expected: str, fix: str) -> SamplingParamsError:
-    return SamplingParamsError(f"SamplingParams.{field} must be {expected}, got {value!r}; {fix}", field=field)
+    # NOTE: cut to one line: an attacker's value may be a 4,000-digit number
+    return SamplingParamsError(f"SamplingParams.{field} must be {expected}, got {describe_value(value)}; {fix}",
+                               field=field)
 
 
 class _Quoted:
@@ -74,7 +83,12 @@ def _is_int(value: Any) -> bool:
 
 
 def _is_real(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    if not isinstance(value, (int, float)) or isinstance(value, bool):
+        return False
+    try:
+        return math.isfinite(value)
+    except OverflowError:  # NOTE: an int too large for a float (JSON allows 4300 digits)
+        return False
 
 
 @dataclass(frozen=True)
@@ -122,8 +136,10 @@ class SamplingParams:
         if not _is_int(self.max_tokens) or self.max_tokens < 1:
             raise _fail("max_tokens", self.max_tokens, "an integer >= 1",
                         "pass the number of new tokens to generate, e.g. max_tokens=32")
-        if not _is_real(self.temperature) or self.temperature < 0:
-            raise _fail("temperature", self.temperature, "a finite number >= 0",
+        if not _is_real(self.temperature) or not (
+                self.temperature == 0 or MIN_TEMPERATURE <= self.temperature <= MAX_TEMPERATURE):
+            raise _fail("temperature", self.temperature,
+                        f"0 or a number in [{MIN_TEMPERATURE:g}, {MAX_TEMPERATURE:g}]",
                         "use 0 for greedy decoding or e.g. 0.7 for sampling")
         if not _is_int(self.top_k) or self.top_k < 0:
             raise _fail("top_k", self.top_k, "an integer >= 0",
@@ -150,10 +166,17 @@ class SamplingParams:
             if not _is_real(value) or not -2 <= value <= 2:
                 raise _fail(name, value, "a number in [-2, 2]",
                             f"use 0 to disable it or e.g. {name}=0.5 (negative values encourage repeats)")
-        if not _is_real(self.repetition_penalty) or self.repetition_penalty <= 0:
-            raise _fail("repetition_penalty", self.repetition_penalty, "a finite number > 0",
+        if not _is_real(self.repetition_penalty) or not (
+                MIN_REPETITION_PENALTY <= self.repetition_penalty <= MAX_REPETITION_PENALTY):
+            raise _fail("repetition_penalty", self.repetition_penalty,
+                        f"a number in [{MIN_REPETITION_PENALTY:g}, {MAX_REPETITION_PENALTY:g}]",
                         "use 1.0 to disable it or e.g. repetition_penalty=1.2 (< 1 encourages repeats)")
         object.__setattr__(self, "logit_bias", self._normalise_logit_bias(self.logit_bias))
+        # NOTE: stored as floats: an int field value (JSON's 2) reaches torch.tensor in the sampler
+        # beside other rows' floats, where a large int would not convert
+        for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty",
+                     "repetition_penalty"):
+            object.__setattr__(self, name, float(getattr(self, name)))
         if not _is_int(self.min_tokens) or not 0 <= self.min_tokens <= self.max_tokens:
             raise _fail("min_tokens", self.min_tokens, f"an integer in [0, max_tokens={self.max_tokens}]",
                         "use 0 to let the model stop at once, or raise max_tokens")

@@ -273,7 +273,9 @@ class AsyncEngine:
                 active.push(Delta(index, "", tuple(new)))
             output = finished.get(request_id)
             if output is not None:
-                active.push(output)
+                # NOTE: the engine aborted this request alone (its sampling failed); the others
+                # in the step went on
+                active.push(output if output.error is None else EngineStepError(output.error))
                 del self._active[request_id]
 
     def _fail_all(self, error: Exception, *, dead: bool) -> None:

@@ -33,10 +33,18 @@ def counts(token_ids, vocab_size):
                         "of new tokens to generate, e.g. max_tokens=32"),
     ({"max_tokens": True}, "SamplingParams.max_tokens must be an integer >= 1, got True; pass the "
                            "number of new tokens to generate, e.g. max_tokens=32"),
-    ({"temperature": -0.5}, "SamplingParams.temperature must be a finite number >= 0, got -0.5; use "
-                            "0 for greedy decoding or e.g. 0.7 for sampling"),
-    ({"temperature": math.nan}, "SamplingParams.temperature must be a finite number >= 0, got nan; "
-                                "use 0 for greedy decoding or e.g. 0.7 for sampling"),
+    ({"temperature": -0.5}, "SamplingParams.temperature must be 0 or a number in [1e-30, 100], got "
+                            "-0.5; use 0 for greedy decoding or e.g. 0.7 for sampling"),
+    ({"temperature": math.nan}, "SamplingParams.temperature must be 0 or a number in [1e-30, 100], "
+                                "got nan; use 0 for greedy decoding or e.g. 0.7 for sampling"),
+    # an attacker's values that once passed and failed inside engine.step() (issue 37)
+    ({"temperature": 10**20}, "SamplingParams.temperature must be 0 or a number in [1e-30, 100], "
+                              "got 100000000000000000000; use 0 for greedy decoding or e.g. 0.7 for "
+                              "sampling"),
+    ({"temperature": 1e-300}, "SamplingParams.temperature must be 0 or a number in [1e-30, 100], "
+                              "got 1e-300; use 0 for greedy decoding or e.g. 0.7 for sampling"),
+    ({"temperature": 10**400}, "SamplingParams.temperature must be 0 or a number in [1e-30, 100], "
+                               "got " + "1" + "0" * 76 + "...; use 0 for greedy decoding or e.g. 0.7 for sampling"),
     ({"top_k": -1}, "SamplingParams.top_k must be an integer >= 0, got -1; use 0 to disable top-k "
                     "or e.g. top_k=50"),
     ({"top_p": 1.5}, "SamplingParams.top_p must be in (0, 1], got 1.5; use 1.0 to disable nucleus "
@@ -66,9 +74,15 @@ def counts(token_ids, vocab_size):
     ({"frequency_penalty": math.inf}, "SamplingParams.frequency_penalty must be a number in [-2, 2], "
                                       "got inf; use 0 to disable it or e.g. frequency_penalty=0.5 "
                                       "(negative values encourage repeats)"),
-    ({"repetition_penalty": 0.0}, "SamplingParams.repetition_penalty must be a finite number > 0, got "
-                                  "0.0; use 1.0 to disable it or e.g. repetition_penalty=1.2 (< 1 "
+    ({"repetition_penalty": 0.0}, "SamplingParams.repetition_penalty must be a number in [0.01, 100], "
+                                  "got 0.0; use 1.0 to disable it or e.g. repetition_penalty=1.2 (< 1 "
                                   "encourages repeats)"),
+    ({"repetition_penalty": 10**20}, "SamplingParams.repetition_penalty must be a number in [0.01, 100], "
+                                     "got 100000000000000000000; use 1.0 to disable it or e.g. "
+                                     "repetition_penalty=1.2 (< 1 encourages repeats)"),
+    ({"repetition_penalty": 1e-300}, "SamplingParams.repetition_penalty must be a number in [0.01, 100], "
+                                     "got 1e-300; use 1.0 to disable it or e.g. "
+                                     "repetition_penalty=1.2 (< 1 encourages repeats)"),
     ({"logit_bias": {3: 101}}, "SamplingParams.logit_bias must be a mapping of token ids to biases in "
                                "[-100, 100], got {3: 101}; pass e.g. logit_bias={50256: -100} (token "
                                "id to a bias in [-100, 100]), or {} for none"),

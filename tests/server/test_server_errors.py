@@ -39,7 +39,7 @@ def error_of(response: httpx.Response) -> dict:
     ("echo", "yes", "echo must be true or false"),
     ("presence_penalty", 3, "SamplingParams.presence_penalty must be a number in [-2, 2]"),
     ("frequency_penalty", "x", "SamplingParams.frequency_penalty"),
-    ("repetition_penalty", 0, "SamplingParams.repetition_penalty must be a finite number > 0"),
+    ("repetition_penalty", 0, "SamplingParams.repetition_penalty must be a number in [0.01, 100]"),
     ("min_tokens", 99, "SamplingParams.min_tokens must be an integer in [0, max_tokens=16]"),
     ("logit_bias", {"x": 1}, "logit_bias keys must be token ids"),
     ("logit_bias", {"5": 101}, "biases in [-100, 100], got {5: 101}"),
