@@ -42,6 +42,7 @@ from corekv.hashing import block_hashes, chain_seed
 from corekv.tiers.fsspec import FsspecTier
 from corekv.tiers.host import HostTier
 from corekv.tiers.lmdb import LMDBTier
+from corekv.tiers.shm import ShmTier
 
 SHAPE = (30, 2, 3, 16, 64)  # layers, K/V, kv heads, block tokens, head_dim
 BLOCK_BYTES = int(np.prod(SHAPE)) * 4
@@ -252,10 +253,14 @@ block, one thread), since a reload both checks and copies every byte.
         kw = {"block_bytes": BLOCK_BYTES, "fingerprint": FINGERPRINT, "dtype": "float32", "shape": pool.block_shape}
         rates: dict[str, list[float]] = {}
         page_faults: dict[str, list[int]] = {}
-        for kind in ("host", "lmdb"):
+        shm_path = f"/dev/shm/corekv-bench-{uuid.uuid4().hex[:12]}"
+        for kind in ("host", "shm", "lmdb"):
             shutil.rmtree(f"{workdir}/lmdb-reload", ignore_errors=True)
+            shutil.rmtree(shm_path, ignore_errors=True)
+            size = 4 * (num + 8) * entry + (64 << 20)
             tier = (HostTier(size=(2 * num + 8) * entry, **kw) if kind == "host" else
-                    LMDBTier(path=f"{workdir}/lmdb-reload", size=4 * (num + 8) * entry + (64 << 20), sync=False, **kw))
+                    ShmTier(path=shm_path, size=size, **kw) if kind == "shm" else
+                    LMDBTier(path=f"{workdir}/lmdb-reload", size=size, sync=False, **kw))
             offload = Offload([tier], pool, queue_blocks=num + 8)
             previous: list[bytes] = []
             staging = getattr(offload.reloader, "staging", None)  # None: a corekv before StagingBuffers
@@ -296,6 +301,7 @@ block, one thread), since a reload both checks and copies every byte.
                 rates.setdefault("xxh3", []).append(total / (time.perf_counter() - t0))
             assert torch.equal(pool.storage[:num].view(torch.uint8), expected), f"{kind}: the reloaded pool differs from what was stored"
             offload.close()
+            shutil.rmtree(shm_path, ignore_errors=True)
         row = {"prefix_tokens": tokens, "kv_bytes": num * BLOCK_BYTES, "repeats": repeats}
         row.update({f"{k} GB/s": statistics.median(v) / 1e9 for k, v in rates.items()})
         row.update({f"{k} minor faults": statistics.median(v) for k, v in page_faults.items()})
@@ -308,7 +314,7 @@ block, one thread), since a reload both checks and copies every byte.
 def reload_markdown(rows: list[dict]) -> str:
     """Two tables: GB/s (and the share of the same run's one-call memcpy) per path, then the
     minor page faults per reload."""
-    paths = [f"{k} {w}" for k in ("host", "lmdb") for w in WAYS]
+    paths = [f"{k} {w}" for k in ("host", "shm", "lmdb") for w in WAYS]
     lines = ["| prefix tokens | KV MB | memcpy GB/s | memcpy by block | xxh3 alone | "
              + " | ".join(paths) + " |", "|---:|---:|---:|---:|---:|" + "---:|" * len(paths)]
     for r in rows:
@@ -384,6 +390,8 @@ def main(argv=None) -> None:
         "lmdb (sync=True)": lambda: LMDBTier(path=f"{workdir}/lmdb-sync", size=4 * args.blocks * args.repeats * entry, **kw),
         "lmdb (sync=False)": lambda: LMDBTier(path=f"{workdir}/lmdb-nosync", size=4 * args.blocks * args.repeats * entry,
                                               sync=False, **kw),
+        "shm (/dev/shm)": lambda: ShmTier(path=f"/dev/shm/corekv-bench-{uuid.uuid4().hex[:12]}",
+                                          size=4 * args.blocks * args.repeats * entry, **kw),
         "fsspec file://": lambda: FsspecTier(url=f"file://{workdir}/fsspec", **kw),
         "fsspec memory://": lambda: FsspecTier(url=f"memory://corekv-bench-{uuid.uuid4().hex}", **kw),
     }
@@ -402,6 +410,8 @@ def main(argv=None) -> None:
                     if keyed:
                         tier.codec = tier.codec.with_secret(SECRET)
                     rows.append((name + (" MAC" if keyed else ""), *measure(tier, args)))
+                if name.startswith("shm"):
+                    shutil.rmtree(tier.path, ignore_errors=True)
     finally:
         if redis_proc is not None:
             redis_proc.kill()

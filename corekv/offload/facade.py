@@ -27,12 +27,13 @@ import torch
 
 from corekv.backend import EvictedBlock
 from corekv.hashing import BlockHash, PrefixKey
+from corekv.offload.planner import OffloadPlanner
 from corekv.offload.pool_io import snapshot_blocks
 from corekv.offload.prefetch import Prefetch, Prefetcher
 from corekv.offload.reload import Reloader
 from corekv.offload.swap import Parked, Swap
 from corekv.offload.tier_calls import safe_tier_call as _safe
-from corekv.offload.writer import OffloadWriter
+from corekv.offload.writer import OffloadWriter, OnDone
 from corekv.tier import Tier
 
 __all__ = ["Offload"]
@@ -63,22 +64,22 @@ class Offload:
 
     def __init__(self, tiers: Sequence[Tier], kv_pool, *, write_policy: str = "write_back",
                  offload_min_hits: int = 0, queue_blocks: int = 256, hooks=None,
-                 prefetch_blocks: int | None = None, swap_tier: int | None = None, backend=None):
+                 prefetch_blocks: int | None = None, swap_tier: int | None = None, backend=None,
+                 on_done: OnDone | None = None):
         """:param prefetch_blocks: blocks prefetches may stage in host memory at once (None: as
             many as the device pool holds; 0: no prefetch, admission loads synchronously).
         :param swap_tier: index of the tier swap preemption parks blocks in (None: no swap).
         :param backend: the prefix-cache backend over ``kv_pool``: its evictions are wired to
             :meth:`evicted` (until :meth:`close`), and at close the blocks it still caches are
             written to the persistent tiers, so a new process finds them.
+        :param on_done: told when each offloaded block's write ended (:mod:`.writer`'s ``OnDone``).
         :raises ValueError: a backend that cannot report evicted blocks' hashes.
 
         NOTE: the arguments are checked here too although the config reader checked the config's
         values: tests and embedding code (the vLLM connector) build an Offload without a config.
         """
-        if write_policy not in ("write_back", "write_through"):
-            raise ValueError(f"write_policy must be 'write_back' or 'write_through', got {write_policy!r}")
-        if offload_min_hits < 0:
-            raise ValueError(f"offload_min_hits must be >= 0, got {offload_min_hits}")
+        self.planner = OffloadPlanner(write_policy=write_policy, offload_min_hits=offload_min_hits,
+                                      max_tracked=kv_pool.num_blocks)
         if queue_blocks < 1:
             raise ValueError(f"queue_blocks must be >= 1, got {queue_blocks}")
         if prefetch_blocks is None:
@@ -90,21 +91,16 @@ class Offload:
         self.tiers = list(tiers)
         self.tier_names = [t.name for t in self.tiers]
         self.kv_pool = kv_pool
-        self.write_policy = write_policy
-        self.offload_min_hits = offload_min_hits
         self.queue_blocks = queue_blocks
         self.hooks = hooks  # a pluggy HookRelay (corekv_on_blocks_offloaded/loaded) or None
         self.backend = backend
-        #: device hits (and reloads) per resident block, for ``offload_min_hits``; in the order
-        #: last counted (see the class docstring for its bound)
-        self.hit_counts: dict[BlockHash, int] = {}
-        self.max_hit_counts = kv_pool.num_blocks
         #: hashes cached by requests that opted out of offload; dropped when evicted
         self.opted_out: set[BlockHash] = set()
         #: per tier: "<name>.reloaded", ".prefetched", ".offloaded", ".offload_skips", ".swapped_*"
         self.counters = Counter()
         self.reloader = Reloader(self.tiers, kv_pool, self.counters, self._loaded)
-        self._writer: OffloadWriter | None = OffloadWriter(self.counters, queue_blocks=queue_blocks, hooks=hooks)
+        self._writer: OffloadWriter | None = OffloadWriter(self.counters, queue_blocks=queue_blocks, hooks=hooks,
+                                                           on_done=on_done)
         self.prefetcher = Prefetcher(self.reloader.stage, max_blocks=prefetch_blocks) if prefetch_blocks else None
         self.swap = (Swap(self.tiers[swap_tier], kv_pool, self.counters, self.reloader.load_into)
                      if swap_tier is not None else None)
@@ -137,10 +133,25 @@ class Offload:
         :returns: ``{tier name: blocks loaded}`` for the leading blocks that loaded.
         """
         if num_device_blocks:
-            self._count_hits(key.block_hashes[:num_device_blocks])
+            self.planner.count_hits(key.block_hashes[:num_device_blocks])
         prefetch = self.prefetches.pop(request, None)
         return self.reloader.load_prefix(key, num_device_blocks, max_blocks, block_ids,
                                          self.prefetcher, prefetch)
+
+    def load_blocks(self, hashes: Sequence[BlockHash], block_ids: Sequence[int]) -> dict[str, int]:
+        """Load the chain ``hashes`` (a prefix's blocks from some block on) into ``block_ids``
+        (one per block, in order) as far as the tiers hold them, with no prefetch (a caller that
+        plans elsewhere: the vLLM connector's worker).
+
+        :returns: ``{tier name: blocks loaded}`` for the leading blocks that loaded.
+        """
+        return self.reloader.load_prefix(_Chain(hashes), 0, len(hashes), block_ids)
+
+    def discard(self, hashes: Sequence[BlockHash]) -> None:
+        """Delete ``hashes`` from every tier (entries that failed to load: they would fail the
+        next load too, since a write skips keys a tier holds)."""
+        for tier in self.tiers:
+            _safe(lambda: tier.delete(list(hashes)), None, tier, "delete")
 
     def left(self, request: Hashable, parked: Parked | None = None) -> None:
         """``request`` left before admission: drop its prefetch (counted) and its parked entry."""
@@ -161,7 +172,7 @@ class Offload:
         hashes = key.block_hashes[start:len(block_ids)]
         if not offload:
             self.opted_out.update(hashes)
-        elif self.write_policy == "write_through":
+        elif self.planner.is_write_through:
             self._offload(list(hashes), list(block_ids[start:]))
 
     def evicted(self, evicted: list[EvictedBlock]) -> None:
@@ -169,11 +180,9 @@ class Offload:
         kept = [e for e in evicted if e.block_hash not in self.opted_out]
         if self.opted_out:
             self.opted_out.difference_update(e.block_hash for e in evicted)
-        if self.write_policy == "write_back" and kept:
+        if not self.planner.is_write_through and kept:
             self._offload([e.block_hash for e in kept], [e.block_id for e in kept])
-        if self.hit_counts:
-            for e in evicted:
-                self.hit_counts.pop(e.block_hash, None)
+        self.planner.forget(e.block_hash for e in evicted)
 
     # -- swap preemption ---------------------------------------------------------------------
     @property
@@ -189,6 +198,19 @@ class Offload:
         return self.swap.unpark(parked, block_table, num_full_loaded)
 
     # -- lifetime and views ------------------------------------------------------------------
+    @property
+    def write_policy(self) -> str:
+        return self.planner.write_policy
+
+    @property
+    def offload_min_hits(self) -> int:
+        return self.planner.offload_min_hits
+
+    @property
+    def hit_counts(self) -> dict[BlockHash, int]:
+        """The planner's device-hit counts (see :class:`~corekv.offload.planner.OffloadPlanner`)."""
+        return self.planner.hit_counts
+
     def flush(self, hashes_and_ids: Sequence[tuple[BlockHash, int]] = (), *,
               tiers: Sequence[Tier] | None = None) -> None:
         """Offload the given cached blocks to ``tiers`` (default: all) and wait for every queued
@@ -265,31 +287,29 @@ class Offload:
     def _loaded(self, tier_index: int, keys: Sequence[BlockHash], snapshot: Callable[[], torch.Tensor]) -> None:
         """The reloader put ``keys`` into the pool from tier ``tier_index``: count the hits,
         announce them, and (write-through) promote them to the tiers above at once."""
-        self._count_hits(keys)
+        self.planner.count_hits(keys)
         if self.hooks is not None:
             self.hooks.corekv_on_blocks_loaded(tier=self.tiers[tier_index].name, block_hashes=list(keys))
-        if tier_index > 0 and self.write_policy == "write_through" and self._writer is not None:
+        if tier_index > 0 and self.planner.is_write_through and self._writer is not None:
             self._writer.submit(keys, snapshot, self.tiers[:tier_index])
 
     def _offload(self, hashes: list[BlockHash], block_ids: list[int]) -> None:
-        if self.offload_min_hits:
-            keep = [i for i, h in enumerate(hashes) if self.hit_counts.get(h, 0) >= self.offload_min_hits]
-            hashes, block_ids = [hashes[i] for i in keep], [block_ids[i] for i in keep]
-        if hashes:
-            self._enqueue(hashes, block_ids, tiers=self.tiers)
-
-    def _count_hits(self, hashes: Sequence[BlockHash]) -> None:
-        """One more hit for each of ``hashes`` (kept only for ``offload_min_hits``, within the bound)."""
-        if not self.offload_min_hits:
-            return
-        counts = self.hit_counts
-        for h in hashes:
-            counts[h] = counts.pop(h, 0) + 1  # re-inserted: the dict stays in last-counted order
-        while len(counts) > self.max_hit_counts:
-            del counts[next(iter(counts))]
+        keep = self.planner.qualifying(hashes)
+        if keep:
+            self._enqueue([hashes[i] for i in keep], [block_ids[i] for i in keep], tiers=self.tiers)
 
     def _enqueue(self, hashes: Sequence[BlockHash], block_ids: Sequence[int], tiers: list[Tier]) -> None:
         # NOTE: the snapshot is taken now, on the caller's thread (only if the queue has room):
         # the slot may be overwritten as soon as we return.
         if self._writer is not None:
             self._writer.submit(hashes, lambda: snapshot_blocks(self.kv_pool, block_ids), tiers)
+
+
+class _Chain:
+    """A chain of block hashes where the reloader expects a :class:`PrefixKey` (it reads only
+    ``block_hashes``)."""
+
+    __slots__ = ("block_hashes",)
+
+    def __init__(self, hashes: Sequence[BlockHash]):
+        self.block_hashes = list(hashes)

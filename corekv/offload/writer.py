@@ -24,6 +24,10 @@ logger = logging.getLogger(__name__)
 __all__ = ["OffloadWriter"]
 
 _STOP = object()
+#: ``on_done(hashes, outcome)``: the writes of ``hashes`` ended, ``outcome`` one of
+#: :data:`corekv.offload.planner.OUTCOMES`; called on the writer's thread (or the submitter's
+#: for a skip), exactly once per submitted block
+OnDone = Callable[[list[BlockHash], str], None]
 
 
 class OffloadWriter:
@@ -33,16 +37,17 @@ class OffloadWriter:
     alone is larger; ``num_queued_blocks`` counts the blocks submitted and not yet finished
     (written, or failed), so it is 0 whenever the queue is drained; a batch is written to each
     tier only for the blocks that tier does not already hold; tier failures are counted by the
-    tiers, and neither they nor a failing hook stop the thread.
+    tiers, and neither they nor a failing hook stop the thread; every submitted block is reported to ``on_done`` exactly once, skipped or not.
     Counters (in the shared ``counters``): ``<tier>.offloaded`` and ``<tier>.offload_skips``.
     """
 
-    def __init__(self, counters: Counter, *, queue_blocks: int, hooks=None):
+    def __init__(self, counters: Counter, *, queue_blocks: int, hooks=None, on_done: OnDone | None = None):
         if queue_blocks < 1:
             raise ValueError(f"queue_blocks must be >= 1, got {queue_blocks}")
         self.counters = counters
         self.queue_blocks = queue_blocks
         self.hooks = hooks
+        self.on_done = on_done
         self._queue: queue.Queue = queue.Queue()
         self._queued_blocks = 0
         self._lock = threading.Lock()
@@ -58,15 +63,20 @@ class OffloadWriter:
             # NOTE: an empty queue takes any one batch, even past the bound: one eviction batch
             # is at most the pool, and dropping it whole would keep long prefixes (a 4K prompt
             # is 257 blocks of 16) out of the tiers for good.
-            if self._queued_blocks and self._queued_blocks + len(hashes) > self.queue_blocks:
+            is_full = bool(self._queued_blocks) and self._queued_blocks + len(hashes) > self.queue_blocks
+            if is_full:
                 for tier in tiers:
                     self.counters[f"{tier.name}.offload_skips"] += len(hashes)
-                return False
-            self._queued_blocks += len(hashes)
+            else:
+                self._queued_blocks += len(hashes)
+        if is_full:
+            self._report(hashes, "skipped")
+            return False
         try:
             item = (list(hashes), snapshot(), list(tiers))
         except BaseException:
             self._done(len(hashes))  # never queued: give its room back
+            self._report(hashes, "failed")
             raise
         self._queue.put(item)
         return True
@@ -96,27 +106,46 @@ class OffloadWriter:
                 self._queue.task_done()
                 return
             hashes, snapshot, tiers = item
+            unreported = set(range(len(hashes)))
             try:
                 payload = snapshot.contiguous().view(torch.uint8).reshape(len(hashes), -1).numpy()
                 for tier in tiers:
                     present = safe_tier_call(lambda: tier.contains_many(hashes), [False] * len(hashes),
                                              tier, "contains_many")
                     missing = [i for i, is_present in enumerate(present) if not is_present]
-                    if not missing:
-                        continue
-                    stored = safe_tier_call(lambda: tier.put([(hashes[i], payload[i]) for i in missing]),
-                                            0, tier, "put")
-                    self.counters[f"{tier.name}.offloaded"] += stored
-                    if stored and self.hooks is not None:
-                        self.hooks.corekv_on_blocks_offloaded(tier=tier.name,
-                                                              block_hashes=[hashes[i] for i in missing])
+                    stored = 0
+                    if missing:
+                        stored = safe_tier_call(lambda: tier.put([(hashes[i], payload[i]) for i in missing]),
+                                                0, tier, "put")
+                        self.counters[f"{tier.name}.offloaded"] += stored
+                        if stored and self.hooks is not None:
+                            self.hooks.corekv_on_blocks_offloaded(tier=tier.name,
+                                                                  block_hashes=[hashes[i] for i in missing])
+                    # NOTE: reported as soon as one tier holds them (the first, fastest, usually):
+                    # a lookup waiting on them can load from there while lower tiers are written.
+                    held = [i for i, is_present in enumerate(present) if is_present]
+                    if stored == len(missing):
+                        held += missing
+                    newly = [i for i in held if i in unreported]
+                    if newly:
+                        unreported.difference_update(newly)
+                        self._report([hashes[i] for i in newly], "stored")
             except Exception:  # pragma: no cover - a bug, but the writer must outlive it
                 logger.exception("corekv offload writer: unexpected error; blocks skipped")
             finally:
-                # NOTE: in finally, so a batch that failed still gives its room back: a leaked
-                # count would shrink the queue for good and skip every later offload.
+                # NOTE: in finally, so a batch that failed still gives its room back (a leaked
+                # count would shrink the queue for good and skip every later offload) and every
+                # queued block gets its report (a lookup may be waiting on it).
+                self._report([hashes[i] for i in sorted(unreported)], "failed")
                 self._done(len(hashes))
                 self._queue.task_done()
+
+    def _report(self, hashes: Sequence[BlockHash], outcome: str) -> None:
+        if hashes and self.on_done is not None:
+            try:
+                self.on_done(list(hashes), outcome)
+            except Exception:  # pragma: no cover - a listener's bug must not stop the writer
+                logger.exception("corekv offload writer: completion listener failed")
 
     def _done(self, num_blocks: int) -> None:
         with self._lock:

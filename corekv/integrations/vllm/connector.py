@@ -86,6 +86,9 @@ class CoreKVConnector(KVConnectorBase_V1):
     def take_events(self):
         return self._scheduler.take_events()
 
+    def reset_cache(self) -> bool | None:
+        return self._scheduler.reset_cache() if self._scheduler is not None else None
+
     # ---------------------------------------------------------------- worker side
     def register_kv_caches(self, kv_caches) -> None:
         self._worker.register(kv_caches)

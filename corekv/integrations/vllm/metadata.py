@@ -12,26 +12,22 @@ __all__ = ["BlockLoad", "BlockSave", "CoreKVStats", "StepPlan", "StepReport"]
 
 @dataclass
 class BlockLoad:
-    """Read blocks ``start .. start + len(block_ids) - 1`` of a request's chain from the tiers
-    into vLLM blocks ``block_ids``, before this step's forward."""
+    """Read the blocks ``block_hashes`` (consecutive blocks of a request's chain) from the tiers
+    into vLLM blocks ``block_ids`` (one each), before this step's forward."""
 
     req_id: str
-    token_ids: list[int]  # the tokens of blocks 0 .. the last block loaded
-    namespace: bytes      # the chain seed (model, block size, salt, LoRA)
-    start: int
+    block_hashes: list[bytes]
     block_ids: list[int]
 
 
 @dataclass
 class BlockSave:
-    """Offload blocks ``indices`` of a request's chain from vLLM blocks ``block_ids`` (one each)
-    after this step's forward; ``finished``: the request has ended and vLLM keeps its blocks
-    until the worker reports it saved."""
+    """Offload the blocks ``block_hashes`` from vLLM blocks ``block_ids`` (one each) after this
+    step's forward; ``finished``: the request has ended and vLLM keeps its blocks until the
+    worker reports it saved."""
 
     req_id: str
-    token_ids: list[int]  # the tokens of blocks 0 .. max(indices)
-    namespace: bytes
-    indices: list[int]
+    block_hashes: list[bytes]
     block_ids: list[int]
     finished: bool = False
 
@@ -46,16 +42,18 @@ class StepPlan(KVConnectorMetadata):
 
 @dataclass
 class StepReport(KVConnectorWorkerMetadata):
-    """Worker -> scheduler: the blocks the tiers stored since the last report (``{tier name:
-    [block hash]}``), for the scheduler's KV events."""
+    """Worker -> scheduler, since the last report: the blocks each tier stored (``{tier name:
+    [block hash]}``, for the scheduler's KV events) and the blocks whose writes ended, whatever
+    the outcome (``done``: no lookup waits on them any more)."""
 
     stored: dict[str, list[bytes]] = field(default_factory=dict)
+    done: list[bytes] = field(default_factory=list)
 
     def aggregate(self, other: "StepReport") -> "StepReport":
         merged = {name: list(hashes) for name, hashes in self.stored.items()}
         for name, hashes in other.stored.items():
             merged.setdefault(name, []).extend(hashes)
-        return StepReport(stored=merged)
+        return StepReport(stored=merged, done=self.done + other.done)
 
 
 @dataclass

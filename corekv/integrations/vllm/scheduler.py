@@ -13,17 +13,23 @@ When blocks are offloaded (``cache.write_policy``):
   to be in vLLM's pool (vLLM frees them to its prefix cache then, and never tells a connector
   when it reuses them); vLLM keeps them until the worker reports them saved.
 
-With ``offload_min_hits: n`` a block is offloaded only once vLLM's own prefix cache served it
-``n`` times (it is resident then, so it is saved at that admission, or at that request's end
-under ``write_back``). A lookup that stops at a block whose write is still in flight answers
-"not yet" (vLLM asks again next step) for up to :data:`_IN_FLIGHT_SECONDS`, so a request that
-follows another one at once reloads its blocks instead of recomputing them. Requests whose KV depends on more than their token ids (images, prompt
+The policy is corekv's one offload planner (:class:`corekv.offload.planner.OffloadPlanner`), the
+engine's too. With ``offload_min_hits: n`` a block is offloaded only once vLLM's own prefix cache
+served it ``n`` times (it is resident then, so it is saved at that admission, or at that
+request's end under ``write_back``). A lookup that stops at a block whose write is in flight
+answers "not yet" (vLLM asks again next step) until the worker reports that write done (stored,
+skipped or failed: every queued block is reported), so a request that follows another one at
+once reloads its blocks instead of recomputing them. Plans carry block hashes: the worker never
+hashes tokens. Requests whose KV depends on more than their token ids (images, prompt
 embeddings) are neither looked up nor offloaded.
+
+``reset_cache`` (vLLM's ``reset_prefix_cache(reset_connector=True)``, e.g. after a weight update
+in memory) starts a new key space for this process: nothing stored before it is found after it.
+The entries themselves stay (other processes on the node may share them) and age out by LRU.
 """
 from __future__ import annotations
 
 import logging
-import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
@@ -36,13 +42,12 @@ from corekv.integrations.vllm.metadata import BlockLoad, BlockSave, StepPlan, St
 from corekv.integrations.vllm.settings import ConnectorSettings
 from corekv.integrations.vllm.shared_tiers import open_tiers, release_tiers, scheduler_started
 from corekv.offload import lookup_runs
+from corekv.offload.planner import OffloadPlanner
 
 __all__ = ["SchedulerSide"]
 logger = logging.getLogger(__name__)
-#: most blocks whose KV-event fields wait for the worker's "stored" report, and most hit counts
+#: most blocks whose KV-event fields wait for the worker's "stored" report, hit counts, writes in flight
 _MAX_TRACKED = 1 << 16
-#: longest a lookup waits for a block queued for writing (a write the tier skipped never reports)
-_IN_FLIGHT_SECONDS = 2.0
 
 
 @dataclass
@@ -60,8 +65,9 @@ class SchedulerSide:
     def __init__(self, settings: ConnectorSettings, *, same_process: bool):
         self.settings = settings
         self.block_size = settings.block_size
-        self.write_back = settings.cache.write_policy == "write_back"
-        self.min_hits = settings.cache.offload_min_hits
+        self.planner = OffloadPlanner(write_policy=settings.cache.write_policy,
+                                      offload_min_hits=settings.cache.offload_min_hits, max_tracked=_MAX_TRACKED)
+        self._epoch = 0  # reset_cache() calls so far: part of every key (see the module docstring)
         tiers, not_started = open_tiers(settings)
         self.not_started = not_started
         if not same_process:
@@ -69,18 +75,15 @@ class SchedulerSide:
             if unseen:
                 logger.warning("corekv connector: tier(s) %s hold entries in vLLM's worker process only, and "
                                "vLLM schedules in another process, so lookups cannot see them; they are "
-                               "left out (use lmdb, redis or fsspec tiers with vLLM's multiprocess executor)",
-                               unseen)
+                               "left out (use the shm tier, which every process on the node shares, or "
+                               "lmdb, redis or fsspec tiers with vLLM's multiprocess executor)", unseen)
             tiers = [t for t in tiers if t.is_shared]
         self.tiers = tiers
         self.requests: dict[str, _Request] = {}
         self._lookups: dict[str, tuple[PrefixKey, int, int]] = {}
         self._plan = StepPlan()
         self._saving: set[str] = set()   # finished requests whose blocks vLLM keeps until saved
-        self._hit_counts: OrderedDict[bytes, int] = OrderedDict()
         self._event_fields: OrderedDict[bytes, dict] = OrderedDict()
-        #: blocks queued for writing and not yet reported stored: when they were queued
-        self._in_flight: OrderedDict[bytes, float] = OrderedDict()
         self._events: list = []
         scheduler_started(self)
 
@@ -89,7 +92,8 @@ class SchedulerSide:
         if request.mm_features or request.prompt_embeds is not None:
             return None  # NOTE: their KV depends on more than token ids, which corekv's keys cover
         lora = request.lora_request
-        namespace = self.settings.namespace(request.cache_salt, (f"lora:{lora.lora_name}",) if lora else ())
+        extra = ((f"lora:{lora.lora_name}",) if lora else ()) + ((f"reset:{self._epoch}",) if self._epoch else ())
+        namespace = self.settings.namespace(request.cache_salt, extra)
         return PrefixKey(list(request.all_token_ids), self.block_size, namespace,
                          self.settings.cache.hash, cache_salt=request.cache_salt)
 
@@ -103,7 +107,7 @@ class SchedulerSide:
         limit = (request.num_tokens - 1) // self.block_size
         runs = lookup_runs(self.tiers, key.block_hashes, first, limit) if first < limit else []
         found = sum(run.num_blocks for run in runs)
-        if first + found < limit and self._is_in_flight(key.block_hashes[first + found]):
+        if first + found < limit and self.planner.is_in_flight(key.block_hashes[first + found]):
             return None
         self._lookups[request.request_id] = (key, num_computed_tokens, found)
         logger.debug("lookup %s: device %d tokens, tiers %d blocks from block %d", request.request_id,
@@ -123,28 +127,10 @@ class SchedulerSide:
         self.requests[request.request_id] = state
         if num_loaded:
             stop = num_device + num_loaded
-            self._plan.loads.append(BlockLoad(request.request_id, key.token_ids[:stop * self.block_size],
-                                              key.namespace, num_device, state.block_ids[num_device:stop]))
-        if self.min_hits and num_device:
-            self._count_device_hits(state, num_device)
-
-    def _is_in_flight(self, block_hash: bytes) -> bool:
-        queued = self._in_flight.get(block_hash)
-        if queued is None:
-            return False
-        if time.monotonic() - queued < _IN_FLIGHT_SECONDS:
-            return True
-        del self._in_flight[block_hash]
-        return False
-
-    def _count_device_hits(self, state: _Request, num_device: int) -> None:
-        counts = self._hit_counts
-        for index, h in enumerate(state.key.block_hashes[:num_device]):
-            counts[h] = n = counts.pop(h, 0) + 1
-            if n == self.min_hits:
-                state.pending.append(index)
-        while len(counts) > _MAX_TRACKED:
-            counts.popitem(last=False)
+            self._plan.loads.append(BlockLoad(request.request_id, key.block_hashes[num_device:stop],
+                                              state.block_ids[num_device:stop]))
+        if num_device:
+            state.pending.extend(self.planner.count_hits(key.block_hashes[:num_device]))
 
     # ---------------------------------------------------------------- the step plan
     def build_plan(self, scheduler_output) -> StepPlan:
@@ -169,10 +155,10 @@ class SchedulerSide:
                 state.num_done = request.num_computed_tokens // self.block_size
             num_full = min((request.num_computed_tokens + num_scheduled) // self.block_size, len(state.block_ids))
             if num_full > state.num_done:
-                if not self.min_hits:
-                    state.pending.extend(range(state.num_done, num_full))
+                new = range(state.num_done, num_full)
+                state.pending.extend(new[i] for i in self.planner.qualifying(state.key.block_hashes[new.start:new.stop]))
                 state.num_done = num_full
-            if not self.write_back and state.pending:
+            if self.planner.is_write_through and state.pending:
                 self._queue_save(state, finished=False)
         plan, self._plan = self._plan, StepPlan()
         return plan
@@ -193,14 +179,10 @@ class SchedulerSide:
         state.pending = []
         if not indices:
             return
-        tokens = state.key.token_ids[:(indices[-1] + 1) * self.block_size]
-        self._plan.saves.append(BlockSave(state.request.request_id, tokens, state.key.namespace, indices,
-                                          [state.block_ids[i] for i in indices], finished=finished))
-        now, hashes = time.monotonic(), state.key.block_hashes
-        for i in indices:
-            self._in_flight[hashes[i]] = now
-        while len(self._in_flight) > _MAX_TRACKED:
-            self._in_flight.popitem(last=False)
+        hashes = [state.key.block_hashes[i] for i in indices]
+        self._plan.saves.append(BlockSave(state.request.request_id, hashes, [state.block_ids[i] for i in indices],
+                                          finished=finished))
+        self.planner.queued(hashes)
         self._remember_event_fields(state, indices)
 
     # ---------------------------------------------------------------- events
@@ -233,7 +215,16 @@ class SchedulerSide:
         for hashes in report.stored.values():
             for h in hashes:
                 self._event_fields.pop(h, None)
-                self._in_flight.pop(h, None)
+        self.planner.completed(report.done)
+
+    def reset_cache(self) -> bool:
+        """vLLM's ``reset_prefix_cache(reset_connector=True)``: a new key space for this process,
+        no counts, no writes waited on (see the module docstring)."""
+        self._epoch += 1
+        self.planner.reset()
+        self._lookups.clear()
+        logger.info("corekv connector: cache reset; entries stored before it are not looked up again")
+        return True
 
     def unsent_saves(self) -> StepPlan:
         """The saves planned for a step that has not been built (for the worker's shutdown)."""

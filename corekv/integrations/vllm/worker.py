@@ -1,12 +1,15 @@
 """The connector's worker side: vLLM's KV tensors under corekv's offload facade.
 
+The scheduler side plans by block hash; this side only calls the offload facade's verbs.
 Loads run before the forward that needs them (``start_load_kv``): the facade reads each block's
 entry from the first tier that holds it, checks it against its key and the model fingerprint,
 and copies it into vLLM's block. A block that does not load (a damaged, moved or forged entry
 is a miss; an entry gone since the lookup) is reported to vLLM with every block after it, and
 vLLM recomputes them (``kv_load_failure_policy: recompute``). Saves run after the forward
 (``wait_for_save``): the blocks are copied out on the step's thread and written to every tier that
-lacks them by the facade's background writer, so the step never waits for a tier.
+lacks them by the facade's background writer, so the step never waits for a tier; each block's
+write is reported back when it ends (stored, skipped or failed), so the scheduler knows what is
+still in flight.
 """
 from __future__ import annotations
 
@@ -15,24 +18,24 @@ import threading
 from collections import Counter
 
 from corekv.backend import EvictedBlock
-from corekv.hashing import PrefixKey
 from corekv.integrations.vllm.metadata import StepPlan, StepReport
 from corekv.integrations.vllm.paged_kv import PagedKV
 from corekv.integrations.vllm.settings import ConnectorSettings
 from corekv.integrations.vllm.shared_tiers import local_schedulers, open_tiers, release_tiers
 from corekv.offload import Offload
-from corekv.offload.tier_calls import safe_tier_call
 
 __all__ = ["WorkerSide"]
 logger = logging.getLogger(__name__)
 
 
-class _StoredBlocks:
-    """The facade's hook relay: collects what the tiers stored, from the writer thread."""
+class _WriteReports:
+    """The facade's hook relay and completion listener: what the tiers stored and which writes
+    ended, collected from the writer thread until the next step report."""
 
     def __init__(self):
         self._lock = threading.Lock()
         self._stored: dict[str, list[bytes]] = {}
+        self._done: list[bytes] = []
 
     def corekv_on_blocks_offloaded(self, tier: str, block_hashes) -> None:
         with self._lock:
@@ -41,10 +44,14 @@ class _StoredBlocks:
     def corekv_on_blocks_loaded(self, tier: str, block_hashes) -> None:
         pass
 
-    def take(self) -> dict[str, list[bytes]]:
+    def done(self, block_hashes: list[bytes], outcome: str) -> None:
         with self._lock:
-            stored, self._stored = self._stored, {}
-        return stored
+            self._done.extend(block_hashes)
+
+    def take(self) -> StepReport | None:
+        with self._lock:
+            stored, done, self._stored, self._done = self._stored, self._done, {}, []
+        return StepReport(stored=stored, done=done) if stored or done else None
 
 
 class WorkerSide:
@@ -54,7 +61,7 @@ class WorkerSide:
         self.settings = settings
         self.num_blocks = num_blocks
         self.offload: Offload | None = None
-        self._stored = _StoredBlocks()
+        self._reports = _WriteReports()
         self._load_errors: set[int] = set()
         self._saved_requests: set[str] = set()
         self.counters: Counter[str] = Counter()
@@ -72,10 +79,8 @@ class WorkerSide:
         # NOTE: the scheduler side decides when a block is offloaded; here every save is offered
         # as the facade's write-back ("the slot may be reused now"), with no hit filter.
         self.offload = Offload(tiers, pool, write_policy="write_back", offload_min_hits=0,
-                               queue_blocks=cache.offload_queue_blocks, hooks=self._stored, prefetch_blocks=0)
-
-    def _key(self, token_ids, namespace) -> PrefixKey:
-        return PrefixKey(token_ids, self.settings.block_size, namespace, self.settings.cache.hash)
+                               queue_blocks=cache.offload_queue_blocks, hooks=self._reports, prefetch_blocks=0,
+                               on_done=self._reports.done)
 
     def load(self, plan: StepPlan) -> None:
         if self.offload is None:
@@ -83,9 +88,7 @@ class WorkerSide:
                 self._load_errors.update(load.block_ids)
             return
         for load in plan.loads:
-            stop = load.start + len(load.block_ids)
-            key = self._key(load.token_ids, load.namespace)
-            loaded = self.offload.load(load.req_id, key, load.start, stop, load.block_ids)
+            loaded = self.offload.load_blocks(load.block_hashes, load.block_ids)
             num = sum(loaded.values())
             self.counters["loaded_blocks"] += num
             if num < len(load.block_ids):
@@ -95,9 +98,7 @@ class WorkerSide:
                 # NOTE: vLLM recomputes these blocks and the scheduler saves them again; their
                 # entries go first, since a damaged entry after the first would otherwise stay
                 # (a write skips keys a tier holds) and fail the next load too.
-                stale = key.block_hashes[load.start + num:stop]
-                for tier in self.offload.tiers:
-                    safe_tier_call(lambda: tier.delete(stale), None, tier, "delete")
+                self.offload.discard(load.block_hashes[num:])
                 logger.warning("corekv connector: %d of %d blocks of request %s did not load (entry rejected "
                                "or gone); vLLM recomputes them", len(failed), len(load.block_ids), load.req_id)
 
@@ -106,13 +107,14 @@ class WorkerSide:
         kept by batches, none skipped), as at shutdown."""
         for save in plan.saves:
             if self.offload is not None:
-                hashes = self._key(save.token_ids, save.namespace).block_hashes
-                pairs = [(hashes[i], b) for i, b in zip(save.indices, save.block_ids)]
+                pairs = list(zip(save.block_hashes, save.block_ids))
                 if wait:
                     self.offload.flush(pairs)
                 else:
                     self.offload.evicted([EvictedBlock(h, b) for h, b in pairs])
-                self.counters["saved_blocks"] += len(save.indices)
+                self.counters["saved_blocks"] += len(pairs)
+            else:
+                self._reports.done(list(save.block_hashes), "failed")  # no tier: nothing to wait for
             if save.finished:
                 self._saved_requests.add(save.req_id)
 
@@ -125,8 +127,7 @@ class WorkerSide:
         return errors
 
     def report(self) -> StepReport | None:
-        stored = self._stored.take()
-        return StepReport(stored=stored) if stored else None
+        return self._reports.take()
 
     def take_counters(self) -> dict[str, int]:
         """The counters since the last call (for vLLM's stats)."""
