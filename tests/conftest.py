@@ -26,3 +26,14 @@ def tiny_model_folder(tmp_path_factory):
     tiny.model.save_pretrained(folder)
     tiny.tokenizer.save_pretrained(folder)
     return folder
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _remove_shm_test_stores():
+    """shm tier stores the tests made in /dev/shm (memory the machine keeps until removed)."""
+    yield
+    import glob
+    import shutil
+
+    for path in glob.glob("/dev/shm/corekv-test-*"):
+        shutil.rmtree(path, ignore_errors=True)

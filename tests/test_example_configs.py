@@ -13,13 +13,14 @@ import corekv
 from corekv.config import dump_config
 
 CONFIGS = Path(__file__).resolve().parent.parent / "examples" / "configs"
-NAMES = ("minimal", "tiered", "shared", "multitenant", "pinned")
+NAMES = ("minimal", "tiered", "shared", "multitenant", "pinned", "vllm")
 TIER_TYPES = {  # what each file's name promises
     "minimal": [],
     "tiered": ["host", "lmdb"],
     "shared": ["host", "redis"],
     "multitenant": ["host"],  # NOTE: memory only, so multi_tenant.py's checks start from a fresh cache
     "pinned": ["host", "lmdb"],
+    "vllm": ["shm", "lmdb"],  # NOTE: the connector's config: only the cache section applies
 }
 
 

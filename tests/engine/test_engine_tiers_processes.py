@@ -1,5 +1,5 @@
-"""Tiers across processes: warm in one process, exit, and a new one reloads from LMDB (and from a
-real redis-server) with zero recomputed prefix tokens; two processes sharing one LMDB; a process
+"""Tiers across processes: warm in one process, exit, and a new one reloads from LMDB (and from the
+node-shared memory tier in /dev/shm, and from a real redis-server) with zero recomputed prefix tokens; two processes sharing one LMDB; a process
 SIGKILLed during write-back leaves a store the next start reads consistently."""
 from __future__ import annotations
 
@@ -51,7 +51,7 @@ def no_tier_outputs(model, prompts) -> list[list[int]]:
         return [engine.generate(p, GREEDY)[0].token_ids for p in prompts]
 
 
-@pytest.mark.parametrize("kind", ["lmdb", "redis"])
+@pytest.mark.parametrize("kind", ["lmdb", "shm", "redis"])
 def test_a_new_process_reloads_with_zero_recomputed_prefix_tokens(model_folder, saved_model, kind, tmp_path,
                                                                   request):
     url = request.getfixturevalue("redis_server").url if kind == "redis" else None

@@ -13,7 +13,9 @@ GREEDY = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
 PROMPT = "a shared system prompt about caches, tiers and blocks; then the question: why"
 #: each takes 5 blocks: four of them push PROMPT's blocks out of a 12-block pool
 FILLERS = [f"filler {i}: unrelated text that pushes the first prompt out of the pool {i}" for i in range(4)]
-KINDS = ("host", "lmdb", "fsspec-file", "fsspec-memory", "redis")
+KINDS = ("host", "lmdb", "shm", "fsspec-file", "fsspec-memory", "redis")
+#: shm stores live in /dev/shm; the session fixture in tests/conftest.py removes these at the end
+SHM_TEST_PREFIX = "/dev/shm/corekv-test-"
 
 
 def tier_config(kind: str, tmp_path, redis_url: str | None = None, **options) -> TierConfig:
@@ -22,6 +24,8 @@ def tier_config(kind: str, tmp_path, redis_url: str | None = None, **options) ->
         opts = {"size": 4 << 20}
     elif kind == "lmdb":
         opts = {"path": str(tmp_path / "lmdb"), "size": 16 << 20, "sync": False}
+    elif kind == "shm":
+        opts = {"path": f"{SHM_TEST_PREFIX}{uuid.uuid4().hex[:12]}", "size": 16 << 20}
     elif kind == "fsspec-file":
         opts = {"url": f"file://{tmp_path / 'fs'}"}
     elif kind == "fsspec-memory":

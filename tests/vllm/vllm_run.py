@@ -6,7 +6,8 @@ vLLM's, e.g. ``ExampleConnector``, with ``extra_config``), ``requests`` (each ``
 ``prompt_token_ids``, optional ``cache_salt``, ``max_tokens``), ``repeat`` (runs of every
 request, 1), ``reset_between`` (reset vLLM's prefix cache before every request, so only the
 tiers can serve it), ``pause`` (seconds before each reset), ``kv_events`` (``{"endpoint",
-"topic"}``: the events are also received here and written to OUT).
+"topic"}``: the events are also received here and written to OUT), ``progress`` (print ``done N``
+after each request).
 OUT: per run of each request its output ``token_ids``, ``num_cached_tokens``, ``prompt_len`` and
 ``seconds`` (generate wall time), ``init_seconds``, and ``events`` (``[type, medium, num hashes]``
 of every event received, when ``kv_events`` is given).
@@ -92,6 +93,8 @@ def main() -> None:
             (out,) = llm.generate([prompt], params, use_tqdm=False)
             results.append({"token_ids": list(out.outputs[0].token_ids), "num_cached_tokens": out.num_cached_tokens,
                             "prompt_len": len(out.prompt_token_ids), "seconds": time.perf_counter() - start})
+            if spec.get("progress"):
+                print(f"done {len(results)}", flush=True)
     events = []
     if spec.get("kv_events"):
         import msgspec
