@@ -60,20 +60,26 @@ def write_rows(pool, block_ids: Sequence[int], rows: torch.Tensor) -> None:
         dst[block_id] = src[i]
 
 
-def load_into_pool(pool, tier: Tier, keys: list[BlockHash], block_ids: list[int]) -> list[bool]:
+def load_into_pool(pool, tier: Tier, keys: list[BlockHash], block_ids: list[int],
+                   staging: StagingBuffers | None = None) -> list[bool]:
     """``tier.get_into`` of ``keys`` into pool blocks ``block_ids``; the leading hits land in the
     pool. On a block-major CPU pool the tier copies straight into the blocks (no staging
-    buffer); otherwise through one staging buffer (pinned for an accelerator) and one batched
-    ``write_blocks``."""
+    buffer); otherwise through staging rows (pinned for an accelerator; lent by ``staging``
+    where given, so a CPU pool's rows are reused, not faulted in anew every load) and one
+    batched ``write_blocks``."""
     rows = pool_rows(pool)
     if rows is not None:
         return tier.get_into(keys, [rows[b] for b in block_ids])
-    staging = torch.empty((len(keys), pool.bytes_per_block), dtype=torch.uint8,
-                          pin_memory=pool.device.type != "cpu")
-    flags = tier.get_into(keys, list(staging.numpy()))
-    num_ok = next((i for i, ok in enumerate(flags) if not ok), len(flags))
-    if num_ok:
-        pool.write_blocks(block_ids[:num_ok], staging[:num_ok])
+    lent = staging.take(len(keys)) if staging is not None else torch.empty(
+        (len(keys), pool.bytes_per_block), dtype=torch.uint8, pin_memory=pool.device.type != "cpu")
+    try:
+        flags = tier.get_into(keys, list(lent[:len(keys)].numpy()))
+        num_ok = next((i for i, ok in enumerate(flags) if not ok), len(flags))
+        if num_ok:
+            pool.write_blocks(block_ids[:num_ok], lent[:num_ok])
+    finally:
+        if staging is not None:
+            staging.give_back(lent)
     return flags
 
 

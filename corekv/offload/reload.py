@@ -169,8 +169,8 @@ class Reloader:
 
     def load_into(self, tier: Tier, keys: list[BlockHash], block_ids: list[int]) -> list[bool]:
         """``tier``'s entries for ``keys`` copied into pool blocks ``block_ids``; hit flags."""
-        return _safe(lambda: load_into_pool(self.kv_pool, tier, keys, block_ids), [False] * len(keys),
-                     tier, "get_into")
+        return _safe(lambda: load_into_pool(self.kv_pool, tier, keys, block_ids, self.staging),
+                     [False] * len(keys), tier, "get_into")
 
     def _load_staged(self, key: PrefixKey, staged: Prefetch, pos: int, stop: int,
                      block_ids: Sequence[int], loaded: dict[str, int]) -> int:
