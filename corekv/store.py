@@ -19,7 +19,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 from corekv.block_format import EntryError, check_entry, read_header
-from corekv.errors import ConfigError
+from corekv.errors import ConfigError, CoreKVError
 from corekv.plugin import make_plugin_manager
 from corekv.tier_admin import StoreAdmin, StoredEntry, make_store_admin
 
@@ -33,7 +33,12 @@ class StoreView:
     admin: StoreAdmin
 
     def entries(self) -> Iterator[StoredEntry]:
-        return self.admin.entries()
+        """The admin view's entries; a store found damaged on the way is a :class:`CoreKVError`
+        naming this tier (one line for ``corekv store``, never a traceback)."""
+        try:
+            yield from self.admin.entries()
+        except CoreKVError as e:
+            raise CoreKVError(f"tier {self.name!r}: {e}") from e
 
     def close(self) -> None:
         self.admin.close()

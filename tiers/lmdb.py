@@ -26,6 +26,14 @@ _FLUSH_ACCESS_EVERY = 256
 _EPOCH_KEY = b"\x00corekv-epoch"  # in the access DB; never a block key (those are 22+ bytes)
 
 
+#: LMDB's errors that mean the file itself is damaged (not a full map or a busy reader table)
+_DAMAGE_ERRORS = (lmdb.CorruptedError, lmdb.PageNotFoundError, lmdb.BadTxnError)
+
+
+class StoreDamagedError(CoreKVError):
+    """A store's file is damaged: a page or an entry lies outside it, or its B-tree is broken."""
+
+
 def _split_db_key(db_key: bytes) -> tuple[str, BlockHash]:
     """The model's 12 hex digits and the block hash of a ``blocks`` key."""
     return db_key[:_KEY_PREFIX_BYTES].hex(), db_key[_KEY_PREFIX_BYTES:]
@@ -43,11 +51,14 @@ class LMDBTier(Tier):
     (LMDB's rule), which this class enforces, and a forked child must open its own (LMDB
     environments do not survive ``fork``; use the ``spawn`` start method or open after forking).
 
-    A store that cannot be opened (a truncated or foreign ``data.mdb``, a file for a folder, no
-    access) raises :class:`ConfigError` for ``path`` before LMDB maps anything
-    (:func:`corekv.tiers.lmdb_file.open_lmdb`).
-    A data file truncated while a process has it mapped still kills that process with SIGBUS when
-    it next reads a lost page; only not mapping the file would avoid that.
+    A store that cannot be opened (a truncated, damaged or foreign ``data.mdb``, a file for a
+    folder, no access) raises :class:`ConfigError` for ``path`` before LMDB maps anything: every
+    B-tree page is checked then (:func:`corekv.tiers.lmdb_file.open_lmdb`). A damaged page LMDB
+    reports later (``CorruptedError``, ``PageNotFoundError``, ``BadTxnError``) quarantines the store
+    in this process: logged once, every lookup a counted miss, nothing written.
+    NOTE: a data file damaged or truncated *while* a process has it mapped can still kill that
+    process with SIGBUS: py-lmdb touches every page of a value inside ``get`` (its preload), before
+    any check of ours could run; only not mapping the file would avoid that.
     """
 
     is_persistent = True
@@ -84,6 +95,8 @@ class LMDBTier(Tier):
         self._pending_access: dict[bytes, int] = {}
         self.evict_high, self.evict_low = evict_high, evict_low
         self._is_full_logged = False
+        #: why this process quarantined the store (a damaged page found while reading); None: healthy
+        self.damage: str | None = None
 
     # ---------------------------------------------------------------- usage
     @property
@@ -116,6 +129,8 @@ class LMDBTier(Tier):
 
     # ---------------------------------------------------------------- primitives
     def _read_entries(self, keys: list[BlockHash]) -> list[bytes | None]:
+        if self.damage is not None:
+            return [None] * len(keys)
         try:
             with self.env.begin() as txn:
                 entries = [txn.get(self._key_prefix + key, db=self._blocks) for key in keys]
@@ -134,6 +149,8 @@ class LMDBTier(Tier):
         # NOTE: with buffers=True an entry is a view of LMDB's map, valid until the read
         # transaction ends; visit() copies them out before that, so a reload copies only once.
         now, hit_keys, found = time.time_ns(), [], []
+        if self.damage is not None:
+            return
         try:
             with self.env.begin(buffers=True) as txn:
                 for index, key in enumerate(keys):
@@ -143,6 +160,7 @@ class LMDBTier(Tier):
                         found.append((index, entry))
                 visit(found)
         except lmdb.Error as e:
+            hit_keys = []
             self._count_error("read", e)
         for db_key in hit_keys:
             self._pending_access[db_key] = now
@@ -150,6 +168,8 @@ class LMDBTier(Tier):
             self._flush_access()
 
     def _write_entries(self, items) -> int:
+        if self.damage is not None:
+            return 0
         need = sum(self._pages_for(sum(len(p) for p in parts)) for _, parts in items)
         map_bytes = self.capacity_bytes
         try:
@@ -175,6 +195,8 @@ class LMDBTier(Tier):
             return 0
 
     def _contains_entries(self, keys: list[BlockHash]) -> list[bool]:
+        if self.damage is not None:
+            return [False] * len(keys)
         try:
             with self.env.begin(buffers=True) as txn:
                 return [txn.get(self._key_prefix + key, db=self._blocks) is not None for key in keys]
@@ -183,6 +205,8 @@ class LMDBTier(Tier):
             return [False] * len(keys)
 
     def _delete_entries(self, keys: list[BlockHash]) -> None:
+        if self.damage is not None:
+            return
         try:
             db_keys = [self._key_prefix + key for key in keys]
             with self.env.begin(write=True) as txn:
@@ -194,13 +218,14 @@ class LMDBTier(Tier):
 
     def _close(self) -> None:
         try:
-            self._flush_access()
+            if self.damage is None:
+                self._flush_access()
         finally:
             close_lmdb(self.env)
 
     # ---------------------------------------------------------------- helpers
     def _flush_access(self) -> None:
-        if not self._pending_access:
+        if not self._pending_access or self.damage is not None:
             return
         try:
             self._write_txn([])
@@ -279,6 +304,14 @@ class LMDBTier(Tier):
 
     def _count_error(self, what: str, error: Exception) -> None:
         self._stats["errors"] += 1
+        if isinstance(error, _DAMAGE_ERRORS):
+            # NOTE: a damaged B-tree gives more wrong sizes and page numbers; reading on risks a
+            # SIGBUS and writing on spreads the damage, so this process leaves the store alone.
+            self.damage = f"{type(error).__name__}: {error}"
+            logger.error("tier %s: the LMDB store at %s is damaged (%s); this process no longer "
+                         "reads or writes it (every lookup is a miss). Run `corekv store verify`, "
+                         "then move the folder away or delete it", self.name, self.path, self.damage)
+            return
         logger.warning("tier %s: LMDB %s failed (%s: %s); treated as a miss/skip",
                        self.name, what, type(error).__name__, error)
 
@@ -308,12 +341,18 @@ class LMDBAdmin(StoreAdmin):
         self._is_closed = False
 
     def entries(self) -> Iterator[StoredEntry]:
+        """Every entry; a damaged page met on the way raises :class:`StoreDamagedError`."""
         # NOTE: streamed inside one read transaction (a snapshot; writers are not blocked), so a
         # 20 GiB store is never held in memory; callers delete only after iterating.
-        with self.env.begin() as txn:
-            for db_key, data in txn.cursor(db=self._blocks):
-                model, key = _split_db_key(db_key)
-                yield StoredEntry(db_key, key, model, data)
+        try:
+            with self.env.begin() as txn:
+                for db_key, data in txn.cursor(db=self._blocks):
+                    model, key = _split_db_key(db_key)
+                    yield StoredEntry(db_key, key, model, data)
+        except lmdb.Error as e:
+            raise StoreDamagedError(f"the LMDB store at {self.path} is damaged "
+                                    f"({type(e).__name__}: {' '.join(str(e).split())}); move its "
+                                    "folder away or delete it") from e
 
     def delete(self, refs: Sequence[bytes]) -> None:
         with self.env.begin(write=True) as txn:

@@ -2,7 +2,7 @@
 
 LMDB maps ``data.mdb`` whole, and reading a mapped page past the file's end kills the process
 with SIGBUS, which no exception handler sees. :func:`check_lmdb_file` reads the file's meta
-pages (and, for a short file, its free-page DB) with plain file reads and says what is wrong;
+pages, and every B-tree page they reach, with plain file reads and says what is wrong;
 :func:`open_lmdb` opens a store only after that check and only when this process does not hold
 it open already, turning LMDB's own open failures into errors that name the fix. The ``lmdb``
 tier and its admin view both open their store through it, and close it with :func:`close_lmdb`.
@@ -29,7 +29,8 @@ _META_TAIL = struct.Struct("=QQ")  # at byte 136, after mm_dbs[1]: mm_last_pg, m
 _META_BYTES = 152
 _NODE = struct.Struct("=HHHH")  # mn_lo, mn_hi, mn_flags, mn_ksize; the key, then the data follow
 _MAGIC, _DATA_VERSION, _NO_PAGE = 0xBEEFC0DE, 1, 2**64 - 1
-_P_BRANCH, _P_LEAF, _P_META, _F_BIGDATA = 0x01, 0x02, 0x08, 0x01
+_P_BRANCH, _P_LEAF, _P_META, _P_LEAF2 = 0x01, 0x02, 0x08, 0x20
+_F_BIGDATA, _F_SUBDATA = 0x01, 0x02
 _open_paths: set[str] = set()  # real paths this process holds open
 _open_paths_lock = threading.Lock()
 _DAMAGED = ("the store is damaged: move its folder away or delete it (corekv store clear cannot "
@@ -44,7 +45,11 @@ def check_lmdb_file(path: str | os.PathLike) -> str | None:
     reads, before anything maps the file, and checks that the file holds every page the newer one
     counts. Pages at the end that are free need not be in the file (LMDB writes a page when it
     uses one and never reads a free one), so a shorter file is truncated only when the free-page
-    DB does not list every missing page. The answer names the file, what is wrong and the fix.
+    DB does not list every missing page. Then every B-tree page is read once and each node, size
+    and page number checked to lie inside its page and the file (LMDB trusts them: a leaf's data
+    size past the file is a SIGBUS when the entry is copied). Measured: 0.2 ms for a 40-block
+    store, one read per tree page (a store of 20 GiB of 700 KB blocks has a few hundred).
+    The answer names the file, what is wrong and the fix.
     ``None`` also for a missing folder or ``data.mdb`` or an empty one: LMDB starts a fresh store.
     """
     path = os.fspath(path)
@@ -144,17 +149,20 @@ def _check_data_file(file, data_path: str) -> tuple[str | None, int | None]:
     problem = _meta_problem(second, 1)
     if problem is not None:
         return f"{data_path} is not an LMDB data file ({problem}); {_DAMAGED}", None
-    last_page, txnid, free_root = max(
-        ((*_META_TAIL.unpack_from(meta, 136), _META_DB.unpack_from(meta, 40)[7])
+    last_page, txnid, free_root, main_root = max(
+        ((*_META_TAIL.unpack_from(meta, 136), _META_DB.unpack_from(meta, 40)[7],
+          _META_DB.unpack_from(meta, 88)[7])
          for meta in (first, second)), key=lambda fields: fields[1])  # the newer meta page
     need_bytes = (last_page + 1) * page_bytes
-    if num_bytes >= need_bytes:
-        return None, txnid
-    num_pages = num_bytes // page_bytes
-    free = _free_pages(file, free_root, page_bytes, num_pages)
-    if free is not None and sum(1 for p in free if p <= last_page) == last_page + 1 - num_pages:
-        return None, txnid
-    return _truncated(data_path, num_bytes, need_bytes), txnid
+    num_pages = min(num_bytes // page_bytes, last_page + 1)
+    if num_bytes < need_bytes:
+        free = _free_pages(file, free_root, page_bytes, num_pages)
+        if free is None or sum(1 for p in free if p <= last_page) != last_page + 1 - num_pages:
+            return _truncated(data_path, num_bytes, need_bytes), txnid
+    problem = _tree_problem(file, (free_root, main_root), page_bytes, num_pages)
+    if problem is not None:
+        return f"{data_path} is damaged ({problem}); {_DAMAGED}", txnid
+    return None, txnid
 
 
 def _meta_problem(page: bytes, index: int) -> str | None:
@@ -213,6 +221,76 @@ def _free_pages(file, root: int, page_bytes: int, num_pages: int) -> set[int] | 
     except struct.error:  # a node offset past the page's end
         return None
     return found
+
+
+def _tree_problem(file, roots: tuple[int, ...], page_bytes: int, num_pages: int) -> str | None:
+    """What is wrong with the B-trees reachable from the meta page's ``roots`` (the free-page DB
+    and the main DB, whose sub-DB records add their own roots), or ``None``.
+
+    NOTE: LMDB trusts every size and page number it finds on a page: a leaf node whose data size
+    or overflow page reaches past the file's end is a SIGBUS when the entry is copied. So each
+    page reachable from the meta page is read once (at most ``num_pages`` reads, the overflow
+    pages excepted: their page numbers and sizes are checked, their data is not read) and every
+    node must lie inside its page, every page number and overflow run inside the file.
+    """
+    todo, seen = [root for root in roots if root != _NO_PAGE], set()
+    while todo:
+        page_number = todo.pop()
+        if page_number >= num_pages:
+            return f"a B-tree names page {page_number}, past the file's {num_pages} pages"
+        if page_number in seen:
+            return f"page {page_number} is reached twice in the B-trees"
+        seen.add(page_number)
+        page = _read_at(file, page_number * page_bytes, page_bytes)
+        if len(page) < page_bytes:
+            return f"page {page_number} is cut short"
+        problem = _page_problem(page, page_number, page_bytes, num_pages, todo)
+        if problem is not None:
+            return f"page {page_number}: {problem}"
+    return None
+
+
+def _page_problem(page: bytes, page_number: int, page_bytes: int, num_pages: int,
+                  todo: list[int]) -> str | None:
+    """What is wrong with one branch or leaf page; its children and sub-DB roots go to ``todo``."""
+    stored_number, _, flags, lower, upper = _PAGE_HEADER.unpack_from(page)
+    if stored_number != page_number:
+        return f"its header names page {stored_number}"
+    if flags & _P_LEAF2:
+        return None  # NOTE: fixed-size duplicate keys only; corekv's stores have none
+    if not flags & (_P_BRANCH | _P_LEAF):
+        return f"flags {flags:#x} are neither branch nor leaf"
+    if not (_PAGE_HEADER.size <= lower <= upper <= page_bytes) or lower % 2:
+        return f"free space [{lower}, {upper}) is outside the page"
+    for (offset,) in struct.iter_unpack("=H", page[_PAGE_HEADER.size:lower]):
+        if not upper <= offset <= page_bytes - _NODE.size:
+            return f"a node at byte {offset} is outside the page's nodes [{upper}, {page_bytes})"
+        lo, hi, node_flags, key_bytes = _NODE.unpack_from(page, offset)
+        data_at = offset + _NODE.size + key_bytes
+        if flags & _P_BRANCH:
+            if data_at > page_bytes:
+                return f"a key of {key_bytes} bytes at byte {offset} runs past the page"
+            todo.append(lo | hi << 16 | node_flags << 32)
+            continue
+        data_bytes = lo | hi << 16
+        if node_flags & _F_BIGDATA:
+            if data_at + 8 > page_bytes:
+                return f"a node at byte {offset} runs past the page"
+            (first,) = struct.unpack_from("=Q", page, data_at)
+            last = first + -(-(_PAGE_HEADER.size + data_bytes) // page_bytes)
+            if first < 2 or last > num_pages:
+                return (f"an entry of {data_bytes} bytes on pages [{first}, {last}) runs past the "
+                        f"file's {num_pages} pages")
+            continue
+        if data_at + data_bytes > page_bytes:
+            return f"an entry of {data_bytes} bytes at byte {offset} runs past the page"
+        if node_flags & _F_SUBDATA:  # a named DB's record: its own B-tree
+            if data_bytes != _META_DB.size:
+                return f"a named DB's record is {data_bytes} bytes, not {_META_DB.size}"
+            root = _META_DB.unpack_from(page, data_at)[7]
+            if root != _NO_PAGE:
+                todo.append(root)
+    return None
 
 
 def _read_at(file, offset: int, num_bytes: int) -> bytes:
