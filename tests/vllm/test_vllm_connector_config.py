@@ -112,3 +112,70 @@ def test_the_workers_counters_reach_vllms_stats_summed():
     stats.aggregate(CoreKVConnector.build_kv_connector_stats({"loaded_blocks": 2, "saved_blocks": 5}))
     assert stats.reduce() == {"loaded_blocks": 5, "load_errors": 1, "saved_blocks": 5}
     assert not stats.is_empty() and CoreKVConnector.build_kv_connector_stats({}).is_empty()
+
+
+def fake_request(req_id: str, tokens: list[int], num_computed: int = 0):
+    """The fields of vLLM's Request the scheduler side reads (no KV-event hashes: none published)."""
+    return SimpleNamespace(request_id=req_id, all_token_ids=tokens, num_tokens=len(tokens),
+                           num_computed_tokens=num_computed, mm_features=None, prompt_embeds=None,
+                           lora_request=None, cache_salt=None, block_hashes=[])
+
+
+def step(side, req, block_ids):
+    """One scheduler step that computes all of ``req``'s tokens."""
+    output = SimpleNamespace(scheduled_cached_reqs=SimpleNamespace(req_ids=[], new_block_ids=[], resumed_req_ids=set()),
+                             num_scheduled_tokens={req.request_id: req.num_tokens})
+    plan = side.build_plan(output)
+    req.num_computed_tokens = req.num_tokens
+    return plan
+
+
+def test_a_lookup_waits_for_a_write_in_flight_until_the_worker_reports_it_then_loads_it(tmp_path, model_dir):
+    """Both sides of the connector on real tiers (shm, then LMDB) and a real CPU KV layout, with
+    vLLM's engine replaced by the calls it makes: a request that follows another at once is told
+    "not yet" while that one's blocks are being written, never for a timer's sake, and loads them
+    from the tiers, bit for bit, once the worker reports the writes done."""
+    from corekv.integrations.vllm.scheduler import SchedulerSide
+    from corekv.integrations.vllm.worker import WorkerSide
+    from vllm.v1.metrics.cache_hit_source import CacheHitSource
+
+    shm = f"/dev/shm/corekv-test-sides-{tmp_path.name}"
+    cfg = {"cache": {"tiers": [{"type": "shm", "path": shm, "size": "256MiB"},
+                               {"type": "lmdb", "path": str(tmp_path / "kv"), "size": "256MiB", "sync": False}]}}
+    settings = read_settings(vllm_config(model_dir, {"config": config_file(tmp_path, cfg)}), kv_cache_config())
+    scheduler = SchedulerSide(settings, same_process=True)
+    worker = WorkerSide(settings, num_blocks=16)
+    layers = {f"model.layers.{i}.self_attn.attn": torch.randn(16, 3, 32, 128) for i in range(30)}
+    worker.register(layers)
+    try:
+        tokens = list(range(1000, 1200))  # 6 full blocks of 32 and a partial one
+        first = fake_request("first", tokens)
+        assert scheduler.matched_tokens(first, 0) == 0
+        scheduler.allocated(first, list(range(7)), 0)
+        worker.save(step(scheduler, first, list(range(7))))
+        assert scheduler.finished(first, list(range(7)))  # write-back: vLLM keeps the blocks until saved
+        plan = step(scheduler, fake_request("idle", [1]), [])
+        assert [s.block_ids for s in plan.saves] == [list(range(6))] and plan.saves[0].finished
+
+        second = fake_request("second", tokens)
+        assert scheduler.matched_tokens(second, 0) is None  # in flight: ask again next step
+        worker.save(plan)
+        worker.offload.flush()
+        assert worker.finished_saving() == {"first"}
+        scheduler.reported(worker.report())
+        assert scheduler.matched_tokens(second, 0) == 6 * 32
+        scheduler.allocated(second, list(range(8, 15)), 6 * 32)
+        assert scheduler.hit_sources(second, 6 * 32) == {CacheHitSource.HOST: 6 * 32}  # the shm tier
+        load_plan = step(scheduler, second, list(range(8, 15)))
+        assert [load.block_ids for load in load_plan.loads] == [list(range(8, 14))]
+        worker.load(load_plan)
+        assert worker.load_errors() == set()
+        for kv in layers.values():
+            assert torch.equal(kv[8:14], kv[0:6])
+        assert scheduler.reset_cache() and scheduler.matched_tokens(fake_request("third", tokens), 0) == 0
+    finally:
+        worker.close()
+        scheduler.close()
+        import shutil
+
+        shutil.rmtree(shm, ignore_errors=True)

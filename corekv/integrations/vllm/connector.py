@@ -73,6 +73,9 @@ class CoreKVConnector(KVConnectorBase_V1):
     def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int):
         self._scheduler.allocated(request, list(blocks.get_block_ids()[0]), num_external_tokens)
 
+    def get_external_cache_hit_sources(self, request: "Request", num_external_tokens: int) -> dict:
+        return self._scheduler.hit_sources(request, num_external_tokens)
+
     def build_connector_meta(self, scheduler_output) -> StepPlan:
         return self._scheduler.build_plan(scheduler_output)
 

@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from vllm.distributed.kv_events import BlockStored
+from vllm.v1.metrics.cache_hit_source import CacheHitSource
 from vllm.v1.core.kv_cache_utils import generate_block_hash_extra_keys, maybe_convert_block_hash, to_event_extra_keys
 
 from corekv.hashing import PrefixKey
@@ -48,6 +49,21 @@ __all__ = ["SchedulerSide"]
 logger = logging.getLogger(__name__)
 #: most blocks whose KV-event fields wait for the worker's "stored" report, hit counts, writes in flight
 _MAX_TRACKED = 1 << 16
+
+#: tier types whose entries are in this machine's memory, or on its disk (vLLM's hit sources)
+_SOURCES = {"host": CacheHitSource.HOST, "shm": CacheHitSource.HOST, "lmdb": CacheHitSource.DISK}
+
+
+def _split_runs(runs, num_blocks: int, block_size: int) -> dict[int, int]:
+    """``{tier index: tokens}`` of the first ``num_blocks`` blocks of a lookup's tier runs."""
+    split: dict[int, int] = {}
+    for run in runs:
+        take = min(run.num_blocks, num_blocks)
+        if take <= 0:
+            break
+        split[run.tier_index] = split.get(run.tier_index, 0) + take * block_size
+        num_blocks -= take
+    return split
 
 
 @dataclass
@@ -80,7 +96,13 @@ class SchedulerSide:
             tiers = [t for t in tiers if t.is_shared]
         self.tiers = tiers
         self.requests: dict[str, _Request] = {}
-        self._lookups: dict[str, tuple[PrefixKey, int, int]] = {}
+        #: request id -> (key, device tokens, tier runs) of its last lookup, until its allocation
+        self._lookups: dict[str, tuple[PrefixKey, int, list]] = {}
+        #: request id -> {tier index: tokens} of its planned load, until vLLM asks where they came from
+        self._load_sources: dict[str, dict[int, int]] = {}
+        #: per tier: the source vLLM's metrics name for it (memory on the node, disk, else unspecified)
+        types = {t.name: t.type for t in settings.cache.tiers}
+        self._tier_sources = [_SOURCES.get(types.get(t.name), CacheHitSource.EXTERNAL_UNSPECIFIED) for t in tiers]
         self._plan = StepPlan()
         self._saving: set[str] = set()   # finished requests whose blocks vLLM keeps until saved
         self._event_fields: OrderedDict[bytes, dict] = OrderedDict()
@@ -109,7 +131,7 @@ class SchedulerSide:
         found = sum(run.num_blocks for run in runs)
         if first + found < limit and self.planner.is_in_flight(key.block_hashes[first + found]):
             return None
-        self._lookups[request.request_id] = (key, num_computed_tokens, found)
+        self._lookups[request.request_id] = (key, num_computed_tokens, runs)
         logger.debug("lookup %s: device %d tokens, tiers %d blocks from block %d", request.request_id,
                      num_computed_tokens, found, first)
         return (first + found) * self.block_size - num_computed_tokens if found else 0
@@ -123,6 +145,8 @@ class SchedulerSide:
             return
         num_device = (looked[1] if looked is not None else request.num_computed_tokens) // self.block_size
         num_loaded = num_external_tokens // self.block_size
+        if num_loaded and looked is not None:
+            self._load_sources[request.request_id] = _split_runs(looked[2], num_loaded, self.block_size)
         state = _Request(request, key, list(block_ids), num_done=num_device + num_loaded)
         self.requests[request.request_id] = state
         if num_loaded:
@@ -131,6 +155,17 @@ class SchedulerSide:
                                               state.block_ids[num_device:stop]))
         if num_device:
             state.pending.extend(self.planner.count_hits(key.block_hashes[:num_device]))
+
+    def hit_sources(self, request, num_external_tokens: int) -> dict:
+        """Where the tokens of ``request``'s planned load come from (vLLM's ``CacheHitSource``)."""
+        by_tier = self._load_sources.pop(request.request_id, None)
+        if not by_tier or sum(by_tier.values()) != num_external_tokens:
+            return {CacheHitSource.EXTERNAL_UNSPECIFIED: num_external_tokens} if num_external_tokens else {}
+        sources: dict = {}
+        for index, tokens in by_tier.items():
+            source = self._tier_sources[index]
+            sources[source] = sources.get(source, 0) + tokens
+        return sources
 
     # ---------------------------------------------------------------- the step plan
     def build_plan(self, scheduler_output) -> StepPlan:
@@ -167,6 +202,7 @@ class SchedulerSide:
         """``request`` ended; True when vLLM must keep its blocks until the worker saved them."""
         state = self.requests.pop(request.request_id, None)
         self._lookups.pop(request.request_id, None)
+        self._load_sources.pop(request.request_id, None)
         if state is None or not state.pending:
             return False
         state.block_ids = list(block_ids)
