@@ -140,6 +140,30 @@ def test_damaged_shm_entries_are_recomputed_never_served(reference, vllm_model, 
         _tamper(path)
         out, log = run_vllm(spec, tmp_path / "tampered", vllm_scratch)
         assert out["runs"][0]["token_ids"] == reference[0]["token_ids"]
-        assert "did not load" in log
+        assert "did not load" in log, "\n".join(line for line in log.splitlines() if "corekv" in line or "tier" in line)
     finally:
         shutil.rmtree(path, ignore_errors=True)
+
+
+def test_corekvs_engine_shares_the_store_with_vllm_from_another_process(filled, tmp_path, shm_path):
+    """corekv's own engine (SmolLM2 from its GGUF, a process of its own) on the shm store vLLM
+    filled: its second process reloads its prompt from it, and both models' entries stay whole
+    (the fingerprints differ: corekv's KV layout is not vLLM's, so neither reads the other's)."""
+    config = tmp_path / "engine.yaml"
+    config.write_text(yaml.safe_dump({"model": "smollm2-135m-instruct", "dtype": "float32",
+                                      "cache": {"tiers": [{"type": "shm", "path": shm_path, "size": "1GiB"}]}}))
+    question = REQUESTS[0]["prompt"]
+    runs = []
+    for _ in range(2):
+        done = subprocess.run([sys.executable, "-m", "corekv.cli", "generate", "--config", str(config), "--prompt",
+                               question, "--max-tokens", "8", "--json"], capture_output=True, text=True, timeout=600,
+                              env={**os.environ, "OMP_NUM_THREADS": "2"})
+        assert done.returncode == 0, done.stderr[-3000:]
+        runs.append(json.loads(done.stdout))
+    assert runs[1]["text"] == runs[0]["text"]
+    assert runs[1]["cached_tokens_by_tier"].get("shm", 0) > 0, runs[1]["cached_tokens_by_tier"]
+    shm = store_stats(filled[0], "shm")
+    assert len(shm["models"]) == 2  # vLLM's and corekv's engine's
+    verify = subprocess.run([sys.executable, "-m", "corekv.cli", "store", "verify", "--config", filled[0]],
+                            capture_output=True, text=True, timeout=300)
+    assert verify.returncode == 0, verify.stdout + verify.stderr
