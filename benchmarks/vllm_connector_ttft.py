@@ -19,6 +19,8 @@ vLLM process whose store another process filled (except the host tier, see below
   ``data.mdb`` (``/proc/sys/vm/drop_caches`` is not writable in a container); ``fincore``'s
   resident bytes before and after are recorded;
 * ``redis``: corekv's Redis tier on a local ``redis-server`` (loopback), filled by a first process;
+* ``shm``: corekv's shm tier (/dev/shm), in one process, as ``host`` below (stored, then read
+  right after its own write); ``shm-warm``: filled by a first process, read by a fresh one;
 * ``host``: corekv's host tier, in one process (a fresh process has no host entries): the prompt
   is stored by a first request, vLLM's prefix cache reset, and a second request measured;
 * ``example``: vLLM's ``ExampleConnector`` (safetensors files per layer) filled by a first process.
@@ -63,7 +65,7 @@ REPO = Path(__file__).resolve().parents[1]
 BLOCK = 32
 MAX_MODEL_LEN = 8192
 KV_SPACE_GIB = 3
-CASES = ["recompute", "lmdb-warm", "lmdb-warm-index-copy", "lmdb-cold", "redis", "host", "example"]
+CASES = ["recompute", "lmdb-warm", "lmdb-warm-index-copy", "lmdb-cold", "redis", "host", "shm", "shm-warm", "example"]
 ONE_BLOCK = BLOCK  # tokens of the baseline prompt of about one block
 
 
@@ -328,8 +330,11 @@ def main() -> None:
         return steps
 
     size_steps = {str(n): ids for n, ids in prompts.items()}
+    shm_path = f"/dev/shm/corekv-bench-{os.getpid()}"
     tiers = {"lmdb": [{"type": "lmdb", "path": str(scratch / "kvstore"), "size": "4GiB"}],
-             "host": [{"type": "host", "size": "1GiB"}]}
+             "host": [{"type": "host", "size": "1GiB"}],
+             "shm": [{"type": "shm", "path": shm_path, "size": "4GiB"}],
+             "shm-own": [{"type": "shm", "path": shm_path + "-own", "size": "4GiB"}]}
     redis_proc = None
     connectors = {"recompute": {}}
     for name, t in tiers.items():
@@ -338,6 +343,8 @@ def main() -> None:
     connectors["lmdb-warm-index-copy"] = {"corekv_config": str(scratch / "lmdb.yaml"),
                                           "env": {"BENCH_PAGED_KV_INDEX_COPY": "1"}}
     connectors["host"] = {"corekv_config": str(scratch / "host.yaml")}
+    connectors["shm-warm"] = {"corekv_config": str(scratch / "shm.yaml")}
+    connectors["shm"] = {"corekv_config": str(scratch / "shm-own.yaml")}
     connectors["example"] = {"example_path": str(scratch / "example")}
     (scratch / "example").mkdir()
     results = {"cases": {c: {} for c in args.cases}, "fills": {}, "page_drops": []}
@@ -346,7 +353,7 @@ def main() -> None:
             redis_proc, url = start_redis(scratch)
             (scratch / "redis.yaml").write_text(json.dumps({"cache": {"tiers": [{"type": "redis", "url": url}]}}))
             connectors["redis"] = {"corekv_config": str(scratch / "redis.yaml")}
-        fills = {"lmdb": "lmdb-warm", "redis": "redis", "example": "example"}
+        fills = {"lmdb": "lmdb-warm", "shm": "shm-warm", "redis": "redis", "example": "example"}
         for fill, case in fills.items():
             if case in args.cases or (fill == "lmdb" and {"lmdb-cold", "lmdb-warm-index-copy"} & set(args.cases)):
                 # NOTE: each fill request is drained: a finished request's write-back reaches the
@@ -358,12 +365,14 @@ def main() -> None:
                 print(f"filled {fill}: init {out['init_seconds']:.1f} s", file=sys.stderr, flush=True)
         for run in range(args.runs):
             for case in args.cases:
+                if case == "shm":
+                    shutil.rmtree(shm_path + "-own", ignore_errors=True)  # its own writes only
                 if case == "lmdb-cold":
                     results["page_drops"].append(drop_pages(scratch / "kvstore" / "data.mdb"))
                 # NOTE: every process times a one-block prompt too (no lookup, nothing to load):
                 # the step's floor under that connector, at that moment's load
                 timed = {"one-block": token_ids(99, ONE_BLOCK), **size_steps}
-                if case == "host":
+                if case in ("host", "shm"):
                     steps = timed_steps(timed, lambda n: [generate(f"store-{n}", size_steps[n])] if n in size_steps else [])
                 else:
                     steps = timed_steps(timed)
@@ -383,6 +392,8 @@ def main() -> None:
             redis_proc.wait(timeout=10)
         if not args.keep:
             shutil.rmtree(scratch, ignore_errors=True)
+        for path in (shm_path, shm_path + "-own"):
+            shutil.rmtree(path, ignore_errors=True)
     results.update(summarise(results, args.prompt_tokens, block_bytes))
     git = lambda *a: subprocess.run(["git", *a], cwd=REPO, capture_output=True, text=True).stdout.strip()  # noqa: E731
     results.update({"git_head": git("rev-parse", "--short", "HEAD"),
