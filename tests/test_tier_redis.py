@@ -1,4 +1,5 @@
 """The redis tier against a real redis-server on loopback (tests/redis_server.py)."""
+import logging
 import subprocess
 import sys
 import threading
@@ -14,6 +15,7 @@ from corekv.testing.tier_admin import StoreAdminTests
 from corekv.tier_factory import make_tier
 from corekv.tiers.redis import RedisAdmin, RedisTier
 from redis_server import RedisServer, redis_server  # noqa: F401 (fixture)
+from stalled_endpoint import stalled_endpoint  # noqa: F401 (fixture)
 
 FINGERPRINT = TierTests.fingerprint
 
@@ -82,6 +84,60 @@ def test_ttl_is_set_on_every_block(redis_server):  # noqa: F811
         raw = redis.Redis.from_url(redis_server.url)
         ttls = [raw.ttl(f"corekv:{tier.fp12}:{k.hex()}") for k in keys]
         assert all(0 < t <= 100 for t in ttls), ttls
+
+
+def test_hits_refresh_the_ttl_and_misses_do_not_create_keys(redis_server):  # noqa: F811
+    keys = make_keys(2)
+    with open_tier(redis_server, ttl=100) as tier:
+        tier.put([(keys[0], block_payload(keys[0], 4096))])
+        raw = redis.Redis.from_url(redis_server.url)
+        raw.expire(f"corekv:{tier.fp12}:{keys[0].hex()}", 5)
+        assert [p is not None for p in tier.get(keys)] == [True, False]
+        assert 95 < raw.ttl(f"corekv:{tier.fp12}:{keys[0].hex()}") <= 100, "the hit did not refresh it"
+        assert raw.exists(f"corekv:{tier.fp12}:{keys[1].hex()}") == 0
+        raw.close()
+
+
+def test_a_full_noeviction_server_skips_writes_warns_once_and_keeps_serving_reads(tmp_path, caplog):
+    server = RedisServer(tmp_path, "--maxmemory", "4mb", "--maxmemory-policy", "noeviction").start()
+    try:
+        keys = make_keys(200)
+        with RedisTier(url=server.url, block_bytes=64 * 1024, fingerprint=FINGERPRINT) as tier:
+            with caplog.at_level(logging.WARNING, logger="corekv"):
+                stored = [tier.put_one(k, block_payload(k, 64 * 1024)) for k in keys]
+            assert True in stored and False in stored, "the server never filled up"
+            full = [r for r in caplog.records if "is full" in r.message]
+            assert len(full) == 1 and "maxmemory-policy allkeys-lru" in full[0].message
+            first_kept = keys[stored.index(True)]
+            assert bytes(tier.get_one(first_kept)) == block_payload(first_kept, 64 * 1024)
+            assert tier.exists([first_kept]) == 1, "a full server must keep serving reads"
+    finally:
+        server.stop()
+
+
+def test_a_stalled_server_costs_one_deadline_then_its_cool_down_skips_it(stalled_endpoint):  # noqa: F811
+    url = f"redis://127.0.0.1:{stalled_endpoint.port}/0"
+    keys = make_keys(4)
+    started = time.monotonic()
+    with RedisTier(url=url, socket_timeout=0.3, retry_interval=3600, block_bytes=4096,
+                   fingerprint=FINGERPRINT) as tier:
+        assert time.monotonic() - started < 1.0, "opening waited on the stalled server"
+        started = time.monotonic()
+        for _ in range(10):
+            assert tier.get(keys) == [None] * 4 and tier.exists(keys) == 0
+            assert tier.put([(k, block_payload(k, 4096)) for k in keys]) == 0
+        assert time.monotonic() - started < 0.5
+        assert tier.stats()["errors"] == 1
+    assert stalled_endpoint.num_connections >= 1, "the test never reached the stalled endpoint"
+    started = time.monotonic()
+    with pytest.raises(CoreKVError, match="cannot be reached.*TimeoutError"):
+        RedisAdmin(url=url, socket_timeout=0.3)
+    assert time.monotonic() - started < 1.0
+
+
+def test_socket_timeout_must_be_a_deadline():
+    with pytest.raises(ValueError, match="socket_timeout must be > 0 seconds"):
+        RedisTier(url="redis://127.0.0.1:1/0", socket_timeout=0, block_bytes=4096, fingerprint=FINGERPRINT)
 
 
 def test_a_killed_server_gives_misses_and_the_tier_reconnects_on_restart(redis_server):  # noqa: F811

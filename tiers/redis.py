@@ -1,29 +1,37 @@
-"""``redis``: KV blocks in a Redis server shared by engines on many machines.
+"""``redis``: KV blocks in a Redis server or a Redis Cluster (Valkey too) shared by engines on many
+machines.
 
 redis-py is imported only when a ``RedisTier`` or its admin view is built, so loading this
 plugin (which every plugin manager does) costs nothing for an engine without a redis tier.
 Install it with ``pip install 'corekv[redis]'``.
 
 The layout is written once, here, for the tier (one model's keys) and its admin view (every
-model's, for ``corekv store``): one string per block under ``corekv:<fp12>:<hexhash>``.
+model's, for ``corekv store``): one string per block under ``corekv:<fp12>:<hexhash>``. Which
+node holds a key is :mod:`corekv.tiers.redis_nodes`'s business (one server, or a cluster's slot
+map).
 """
 from __future__ import annotations
 
 import logging
+import os
 import re
 import time
 from collections.abc import Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 
 from corekv.errors import ConfigError, CoreKVError, describe_exception
 from corekv.plugin import Option, TierSpec, hookimpl
 from corekv.tier import BlockHash, Tier
 from corekv.tier_admin import StoreAdmin, StoredEntry
+from corekv.tier_faults import Cooldowns
+from corekv.tiers.redis_nodes import RedisNodes, import_redis, open_nodes, without_password
 
 logger = logging.getLogger(__name__)
-_SOCKET_READ_SIZE = 1 << 20
 _NAMESPACE = "corekv:"
 _REDIS_KEY = re.compile(re.escape(_NAMESPACE.encode()) + rb"([0-9a-f]{12}):((?:[0-9a-f]{2})+)")
-_GET_BATCH = 64  # keys per MGET when listing a whole server (blocks are up to ~1 MB)
+_GET_BATCH = 64  # keys per pipeline when listing a whole store (blocks are up to ~1 MB)
+#: seconds between two reads of a cluster's slot map while a node is down (to follow a failover)
+_REFRESH_INTERVAL_S = 1.0
 
 
 def _parse_redis_key(redis_key: bytes) -> tuple[str, BlockHash] | None:
@@ -32,42 +40,27 @@ def _parse_redis_key(redis_key: bytes) -> tuple[str, BlockHash] | None:
     return (match.group(1).decode(), bytes.fromhex(match.group(2).decode())) if match else None
 
 
-def _without_password(url: str) -> str:
-    """``url`` without its credentials, for messages and logs (which must never show a password)."""
-    scheme, separator, rest = url.partition("://")
-    return scheme + separator + rest.rsplit("@", 1)[-1]
-
-
-def _connect(url: str, socket_timeout: float):
-    """A redis-py client for ``url``; a URL redis-py cannot parse is a ConfigError for it."""
-    try:
-        import redis
-        from redis.backoff import NoBackoff
-        from redis.retry import Retry
-    except ImportError as e:
-        raise ValueError("the redis tier needs redis-py: pip install 'corekv[redis]'") from e
-    try:
-        # NOTE: redis-py's own retries would repeat a dead server's timeout inside every call;
-        # the tier's cool-down replaces them, and for the admin view a failure is an error.
-        # NOTE: a block is ~0.7 MB; with hiredis a 1 MiB socket read size halves the recv
-        # calls of a batch and doubles get bandwidth on loopback (no effect without it).
-        return redis.Redis.from_url(url, socket_timeout=socket_timeout or None,
-                                    socket_connect_timeout=socket_timeout or None,
-                                    retry=Retry(NoBackoff(), 0), socket_read_size=_SOCKET_READ_SIZE)
-    except ValueError as e:
-        raise ConfigError(f"url {url!r} is not a Redis URL ({e}); expected "
-                          "redis://[:password@]host:port/db or rediss://... for TLS", path="url") from e
+def _check_numbers(**values) -> None:
+    for option, value in values.items():
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
+            raise ConfigError(f"{option} must be a number >= 0, got {value!r}", path=option)
+    if values["socket_timeout"] <= 0:
+        raise ConfigError(f"socket_timeout must be > 0 seconds (the deadline of every call to the "
+                          f"server), got {values['socket_timeout']!r}", path="socket_timeout")
 
 
 class RedisTier(Tier):
     """One Redis string per block under ``corekv:<fp12>:<hexhash>`` (value = header + payload).
 
-    Invariants: every batch is one round trip (MGET, or one non-transactional pipeline); no
-    Redis or socket error leaves this class: a failed call is a miss (get/exists) or a skip
-    (put), counted in ``errors``, and starts a cool-down of ``retry_interval`` seconds during
-    which calls return at once without touching the network, so a dead server costs one timeout
-    per interval, not one per step. After the cool-down the connection pool reconnects by itself.
-    Capacity and eviction are the server's (``maxmemory`` and ``maxmemory-policy allkeys-lru``).
+    Invariants: a batch is one pipeline per node that serves its keys (one node for a single
+    server), sent to the nodes concurrently; no Redis or socket error leaves this class: a node
+    that fails or outlives ``socket_timeout`` makes its keys misses (get/exists) or skips (put),
+    counts one ``errors`` and cools down for ``retry_interval`` seconds, during which calls skip
+    it without touching the network, while the other nodes keep serving. A cluster's slot map is
+    read again while a node is down, so the replica that replaces a dead primary is used. Reads
+    refresh the TTL of their hits when ``ttl`` is set. A full server (``maxmemory`` reached under
+    ``noeviction``) skips writes, with one warning, and keeps serving reads. Capacity and eviction
+    are the server's (``maxmemory``, ``maxmemory-policy allkeys-lru``).
     """
 
     is_persistent = True
@@ -75,160 +68,334 @@ class RedisTier(Tier):
     supports_ttl = True
     supports_listing = True
 
-    def __init__(self, *, url: str = "redis://127.0.0.1:6379/0", ttl: int = 0,
+    def __init__(self, *, url: str = "redis://127.0.0.1:6379/0", cluster: bool = False, ttl: int = 0,
                  retry_interval: float = 5.0, socket_timeout: float = 1.0, block_bytes: int,
                  fingerprint: bytes, dtype: str = "uint8", shape: Sequence[int] | None = None,
                  name: str | None = None):
         super().__init__(block_bytes=block_bytes, fingerprint=fingerprint, dtype=dtype, shape=shape,
                          name=name or "redis")
-        for option, value in (("ttl", ttl), ("retry_interval", retry_interval),
-                              ("socket_timeout", socket_timeout)):
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
-                raise ConfigError(f"{option} must be a number >= 0, got {value!r}", path=option)
+        _check_numbers(ttl=ttl, retry_interval=retry_interval, socket_timeout=socket_timeout)
         if not isinstance(ttl, int):
             raise ConfigError(f"ttl must be whole seconds (0: no expiry), got {ttl!r}", path="ttl")
-        self._client = _connect(url, socket_timeout)
-        import redis
-
+        redis = import_redis()
+        self._redis = redis
         self._errors = (redis.RedisError, OSError)
         self._prefix = f"{_NAMESPACE}{self.fp12}:"
-        self.url_for_logs = _without_password(url)
-        self.ttl, self.retry_interval = ttl, retry_interval
-        self._down_until = 0.0
-        try:
-            self._client.ping()
-        except redis.AuthenticationError as e:
-            raise ConfigError(f"redis at {self.url_for_logs} refused the credentials ({e}); fix the "
-                              "password in the url (redis://:PASSWORD@host:port/db)", path="url") from e
-        except self._errors as e:
-            self._fail("connect", e)
+        self.url, self.url_for_logs, self.is_cluster = url, without_password(url), bool(cluster)
+        self.ttl, self.retry_interval, self.socket_timeout = ttl, retry_interval, socket_timeout
+        self._cooldowns = Cooldowns(self.name, retry_interval, self._stats, kind="redis")
+        self._nodes: RedisNodes | None = None
+        self._is_full_logged = False
+        self._command_errors_logged: set[str] = set()
+        self._last_refresh = 0.0
+        self._refresh: Future | None = None
+        self._pool: ThreadPoolExecutor | None = None
+        self._pool_pid = 0
+        self._wants_refresh = False
+        self._connect()
 
     # ---------------------------------------------------------------- usage (server-wide)
     @property
     def capacity_bytes(self) -> int | None:
-        info = self._call("info", lambda: self._client.info("memory"))
-        return (info or {}).get("maxmemory") or None
+        infos = self._on_primaries("info", lambda client: client.info("memory"))
+        limits = [info.get("maxmemory", 0) for info in infos]
+        return sum(limits) if limits and all(limits) else None
 
     @property
     def used_bytes(self) -> int:
-        info = self._call("info", lambda: self._client.info("memory"))
-        return (info or {}).get("used_memory", 0)
+        return sum(info.get("used_memory", 0)
+                   for info in self._on_primaries("info", lambda client: client.info("memory")))
 
     @property
     def num_entries(self) -> int:
-        """Entries of this model (a SCAN over the server's keys: O(keys), for tools, not steps)."""
-        return self._call("scan", lambda: sum(1 for _ in self._scan())) or 0
+        """Entries of this model (a SCAN of every primary: O(keys), for tools, not steps)."""
+        return sum(len(keys) for keys in self._on_primaries("scan", self._scan))
 
     def keys(self) -> Iterator[BlockHash]:
-        found = self._call("scan", lambda: [parsed[1] for parsed in map(_parse_redis_key, self._scan())
-                                            if parsed is not None]) or []
-        return iter(found)
+        found = [_parse_redis_key(k) for keys in self._on_primaries("scan", self._scan) for k in keys]
+        return iter([parsed[1] for parsed in found if parsed is not None])
 
     # ---------------------------------------------------------------- primitives
     def _read_entries(self, keys: list[BlockHash]) -> list[bytes | None]:
-        entries = self._call("get", lambda: self._client.mget([self._key(k) for k in keys]))
-        return entries if entries is not None else [None] * len(keys)
+        ttl = self.ttl
+
+        def get(pipe, redis_key: str) -> None:
+            # NOTE: GETEX reads and pushes the expiry back in one command: a block that keeps
+            # hitting stays, one nobody reads expires.
+            pipe.getex(redis_key, ex=ttl) if ttl else pipe.get(redis_key)
+
+        results = self._per_node("get", keys, get)
+        return [self._value(results.get(index), "get") for index in range(len(keys))]
 
     def _write_entries(self, items) -> int:
-        def write() -> int:
-            pipe = self._client.pipeline(transaction=False)
-            for key, parts in items:
-                pipe.set(self._key(key), b"".join(parts), ex=self.ttl or None)
-            return sum(1 for ok in pipe.execute() if ok)
-
-        num_stored = self._call("put", write) or 0
+        values = [b"".join(parts) for _, parts in items]
+        ex = self.ttl or None
+        value_of = dict(zip((self._key(key) for key, _ in items), values))
+        results = self._per_node("put", [key for key, _ in items],
+                                 lambda pipe, redis_key: pipe.set(redis_key, value_of[redis_key], ex=ex))
+        num_stored = 0
+        for index in range(len(items)):
+            outcome = results.get(index)
+            if isinstance(outcome, self._redis.exceptions.OutOfMemoryError):
+                self._warn_full(outcome)
+            elif isinstance(outcome, Exception):
+                self._command_failed("put", outcome)
+            elif outcome:
+                num_stored += 1
         self._stats["puts"] += num_stored
         self._stats["bytes_written"] += num_stored * self.codec.entry_bytes
         return num_stored
 
     def _contains_entries(self, keys: list[BlockHash]) -> list[bool]:
-        def exists() -> list[bool]:
-            pipe = self._client.pipeline(transaction=False)
-            for key in keys:
-                pipe.exists(self._key(key))
-            return [bool(n) for n in pipe.execute()]
-
-        return self._call("exists", exists) or [False] * len(keys)
+        results = self._per_node("exists", keys, lambda pipe, redis_key: pipe.exists(redis_key))
+        return [bool(self._value(results.get(index), "exists")) for index in range(len(keys))]
 
     def _delete_entries(self, keys: list[BlockHash]) -> None:
-        self._call("delete", lambda: self._client.delete(*[self._key(k) for k in keys]))
+        results = self._per_node("delete", keys, lambda pipe, redis_key: pipe.delete(redis_key))
+        for outcome in results.values():
+            self._value(outcome, "delete")
 
     def _close(self) -> None:
-        self._client.close()
+        if self._pool is not None:
+            self._pool.shutdown(wait=False)
+        if self._nodes is not None:
+            self._nodes.close()
 
     # ---------------------------------------------------------------- helpers
     def _key(self, key: BlockHash) -> str:
         return self._prefix + key.hex()
 
-    def _scan(self):
-        return self._client.scan_iter(match=self._prefix + "*", count=1000)
+    def _scan(self, client) -> list[bytes]:
+        return list(client.scan_iter(match=self._prefix + "*", count=1000))
 
-    def _call(self, what: str, fn):
-        """``fn()``, or ``None`` when the server is cooling down or the call fails."""
-        if time.monotonic() < self._down_until:
-            return None
+    def _connect(self) -> bool:
+        """Open the nodes (a cluster: read its slot map); False while no node answers."""
         try:
-            result = fn()
+            nodes = open_nodes(self.url, is_cluster=self.is_cluster, socket_timeout=self.socket_timeout)
         except self._errors as e:
-            self._fail(what, e)
-            return None
-        if self._down_until:
-            logger.warning("tier %s: redis at %s is reachable again", self.name, self.url_for_logs)
-            self._down_until = 0.0
-        return result
+            self._cooldowns.failed(self.url_for_logs, "connect", e)
+            return False
+        try:
+            if not self.is_cluster:
+                nodes.check_not_a_cluster()
+        except self._redis.AuthenticationError as e:
+            nodes.close()
+            raise ConfigError(f"redis at {self.url_for_logs} refused the credentials ({e}); fix the "
+                              "password in the url (redis://:PASSWORD@host:port/db)", path="url") from e
+        except ConfigError:
+            nodes.close()
+            raise
+        except self._errors as e:
+            # NOTE: the client reconnects by itself once the server is back; a cluster's nodes
+            # are each pinged below, so a down primary cools down alone.
+            self._cooldowns.failed(nodes.seed, "connect", e)
+        if self.is_cluster:
+            for node, client in nodes.primaries():
+                try:
+                    client.ping()
+                except self._errors as e:
+                    self._cooldowns.failed(node, "connect", e)
+        self._cooldowns.succeeded(self.url_for_logs)
+        self._nodes = nodes
+        return True
 
-    def _fail(self, what: str, error: Exception) -> None:
+    def _per_node(self, what: str, keys: list[BlockHash], command) -> dict[int, object]:
+        """``{key index: reply}``: ``command(pipeline, redis_key)`` for every key, one pipeline per
+        node, the nodes concurrently. Keys of a node that is down or fails now, or of a slot no
+        node serves, are absent; a reply may be an exception (that command failed alone)."""
+        if self._nodes is None and (self._cooldowns.is_down(self.url_for_logs) or not self._connect()):
+            return {}
+        self._follow_topology()
+        redis_keys = [self._key(key) for key in keys]
+        groups, unrouted = self._nodes.group(redis_keys)
+        self._wants_refresh |= bool(unrouted)
+        groups = [group for group in groups if not self._cooldowns.is_down(group[0])]
+
+        def run(group) -> list:
+            _, client, indexes = group
+            pipe = client.pipeline(transaction=False)
+            for index in indexes:
+                command(pipe, redis_keys[index])
+            return pipe.execute(raise_on_error=False)
+
+        outcomes = self._run_on_nodes(run, groups)
+        replies: dict[int, object] = {}
+        for (node, _, indexes), outcome in zip(groups, outcomes):
+            if isinstance(outcome, BaseException):
+                self._cooldowns.failed(node, what, outcome)
+            else:
+                self._cooldowns.succeeded(node)
+                replies.update(zip(indexes, outcome))
+        return replies
+
+    def _run_on_nodes(self, run, groups) -> list:
+        """``run(group)`` for each group (on the tier's threads when there are several); an
+        exception is returned in its place."""
+        def guarded(group):
+            try:
+                return run(group)
+            except self._errors as e:
+                return e
+
+        if len(groups) <= 1:
+            return [guarded(group) for group in groups]
+        return list(self._threads().map(guarded, groups))
+
+    def _threads(self) -> ThreadPoolExecutor:
+        if self._pool is None or self._pool_pid != os.getpid():  # NOTE: threads do not survive a fork
+            self._pool = ThreadPoolExecutor(8, thread_name_prefix=f"corekv-{self.name}")
+            self._pool_pid = os.getpid()
+        return self._pool
+
+    def _follow_topology(self) -> None:
+        """While a node is down or a slot moved, read a cluster's slot map again, at most once a
+        second and on a tier thread (off the request's path), so a failover's new primary takes
+        the dead one's keys; then forget the cool-downs of nodes that serve nothing now."""
+        if not self.is_cluster or self._nodes is None:
+            return
+        if self._refresh is not None:
+            if not self._refresh.done():
+                return
+            if self._refresh.result():
+                primaries = {name for name, _ in self._nodes.primaries()}
+                for endpoint in self._cooldowns.down_endpoints():
+                    if endpoint not in primaries:
+                        self._cooldowns.forget(endpoint)  # its slots moved to a node that answers
+            self._refresh = None
+        now = time.monotonic()
+        if not (self._wants_refresh or self._cooldowns.any_down()) or now - self._last_refresh < _REFRESH_INTERVAL_S:
+            return
+        self._wants_refresh, self._last_refresh = False, now
+        self._refresh = self._threads().submit(self._read_topology, self._nodes)
+
+    def _read_topology(self, nodes: RedisNodes) -> bool:
+        try:
+            nodes.refresh()
+            return True
+        except self._errors as e:
+            logger.debug("tier %s: reading the cluster's slot map failed: %s", self.name, e)
+            return False
+
+    def _value(self, reply, what: str):
+        """A command's reply, or ``None`` when that command failed (counted)."""
+        if isinstance(reply, Exception):
+            self._command_failed(what, reply)
+            return None
+        return reply
+
+    def _command_failed(self, what: str, error: Exception) -> None:
+        """One command of a pipeline failed (a moved slot, a cluster that is down): a miss."""
         self._stats["errors"] += 1
-        if not self._down_until:  # NOTE: one warning per outage, not one per call
-            logger.warning("tier %s: redis %s at %s failed (%s: %s); treating calls as misses and "
-                           "retrying every %ss", self.name, what, self.url_for_logs,
-                           type(error).__name__, error, self.retry_interval)
-        self._down_until = time.monotonic() + self.retry_interval
+        if isinstance(error, (self._redis.exceptions.AskError, self._redis.exceptions.ClusterDownError)):
+            self._wants_refresh = True
+        kind = type(error).__name__
+        level = logging.DEBUG if kind in self._command_errors_logged else logging.WARNING
+        self._command_errors_logged.add(kind)
+        logger.log(level, "tier %s: redis %s failed (%s); treated as a miss/skip",
+                   self.name, what, describe_exception(error))
+
+    def _warn_full(self, error: Exception) -> None:
+        self._stats["errors"] += 1
+        if not self._is_full_logged:  # NOTE: once: a full server refuses every write until evicting
+            self._is_full_logged = True
+            logger.warning("tier %s: redis at %s is full (%s); writes are skipped, reads go on. Run it "
+                           "with maxmemory-policy allkeys-lru so old blocks make room for new ones",
+                           self.name, self.url_for_logs, describe_exception(error))
+
+    def _on_primaries(self, what: str, fn) -> list:
+        """``fn(client)`` on every primary that answers (for usage and listing; not on steps)."""
+        with self._lock:
+            if self._nodes is None and not self._connect():
+                return []
+            primaries = self._nodes.primaries()
+        results = []
+        for node, client in primaries:
+            try:
+                results.append(fn(client))
+            except self._errors as e:
+                with self._lock:
+                    self._cooldowns.failed(node, what, e)
+        return results
 
 
 class RedisAdmin(StoreAdmin):
-    """Every model's blocks on the Redis server at ``url`` (``corekv store``).
+    """Every model's blocks on the Redis server or cluster at ``url`` (``corekv store``): every
+    primary is scanned.
 
     Takes the tier's options; ``socket_timeout`` bounds each call as for the tier, the others
-    (``ttl``, ``retry_interval``) are accepted and unused. Unlike the tier, a failing server is
-    an error here: a tool must not report an unreachable store as an empty one.
+    (``ttl``, ``retry_interval``) are accepted and unused. Unlike the tier, a failing node is an
+    error here (a :class:`CoreKVError` naming it): a tool must not report an unreachable store as
+    an empty one.
     """
 
-    def __init__(self, *, url: str = "redis://127.0.0.1:6379/0", ttl: int = 0,
+    def __init__(self, *, url: str = "redis://127.0.0.1:6379/0", cluster: bool = False, ttl: int = 0,
                  retry_interval: float = 5.0, socket_timeout: float = 1.0):
-        self._client = _connect(url, socket_timeout)
-        import redis
-
+        _check_numbers(ttl=ttl, retry_interval=retry_interval, socket_timeout=socket_timeout)
+        self._redis = import_redis()
+        self.url_for_logs, self._is_cluster = without_password(url), cluster
         try:
-            self._client.ping()
-        except (redis.RedisError, OSError) as e:
-            self._client.close()
-            raise CoreKVError(f"redis at {_without_password(url)} cannot be reached "
-                              f"({describe_exception(e)}); start it, or fix the url") from e
+            self._nodes = open_nodes(url, is_cluster=cluster, socket_timeout=socket_timeout)
+        except (self._redis.RedisError, OSError) as e:
+            raise self._error("cannot be reached", e, "start it, or fix the url") from e
+        try:
+            for node, client in self._nodes.primaries():
+                self._guarded(node, "ping", client.ping)
+            if not cluster:
+                self._nodes.check_not_a_cluster()
+        except BaseException:
+            self._nodes.close()
+            raise
 
     def entries(self) -> Iterator[StoredEntry]:
-        batch = []
-        for redis_key in self._client.scan_iter(match=f"{_NAMESPACE}*", count=1000):
-            if _parse_redis_key(redis_key) is not None:
-                batch.append(redis_key)
-            if len(batch) == _GET_BATCH:
-                yield from self._fetch(batch)
-                batch = []
-        yield from self._fetch(batch)
+        for node, client in self._nodes.primaries():
+            scan = client.scan_iter(match=f"{_NAMESPACE}*", count=1000)
+            batch = []
+            while True:
+                redis_key = self._guarded(node, "scan", lambda: next(scan, None))
+                if redis_key is not None and _parse_redis_key(redis_key) is not None:
+                    batch.append(redis_key)
+                if len(batch) == _GET_BATCH or (redis_key is None and batch):
+                    yield from self._fetch(node, client, batch)
+                    batch = []
+                if redis_key is None:
+                    break
 
     def delete(self, refs: Sequence[bytes]) -> None:
-        if refs:
-            self._client.delete(*refs)
+        for start in range(0, len(refs), _GET_BATCH):
+            chunk = [ref.decode() if isinstance(ref, bytes) else ref for ref in refs[start:start + _GET_BATCH]]
+            groups, _ = self._nodes.group(chunk)
+            for node, client, indexes in groups:
+                pipe = client.pipeline(transaction=False)
+                for index in indexes:
+                    pipe.delete(chunk[index])
+                self._guarded(node, "delete", pipe.execute)
 
     def close(self) -> None:
-        self._client.close()
+        self._nodes.close()
 
-    def _fetch(self, redis_keys: list[bytes]) -> Iterator[StoredEntry]:
-        values = self._client.mget(redis_keys) if redis_keys else []
+    def _fetch(self, node: str, client, redis_keys: list[bytes]) -> Iterator[StoredEntry]:
+        pipe = client.pipeline(transaction=False)
+        for redis_key in redis_keys:
+            pipe.get(redis_key)
+        values = self._guarded(node, "get", pipe.execute)
         for redis_key, data in zip(redis_keys, values):
             if data is not None:  # expired or evicted since the scan
                 model, key = _parse_redis_key(redis_key)
                 yield StoredEntry(redis_key, key, model, data)
+
+    def _guarded(self, node: str, what: str, fn):
+        try:
+            return fn()
+        except (self._redis.RedisError, OSError) as e:
+            if isinstance(e, self._redis.AuthenticationError):
+                raise self._error("refused the credentials", e, "fix the password in the url") from e
+            where = f"node {node} " if self._is_cluster else ""
+            failure = "cannot be reached" if what == "ping" else f"failed ({what})"
+            fix = "start it, or fix the url" if what == "ping" else "check that the server is up"
+            raise self._error(f"{where}{failure}", e, fix) from e
+
+    def _error(self, what: str, error: BaseException, fix: str) -> CoreKVError:
+        return CoreKVError(f"redis at {self.url_for_logs} {what} ({describe_exception(error)}); {fix}")
 
 
 @hookimpl
@@ -239,12 +406,20 @@ def corekv_register_tiers() -> list[TierSpec]:
         admin=RedisAdmin,
         options={
             "url": Option("str", default="redis://127.0.0.1:6379/0",
-                          help="redis://[:password@]host:port/db, or rediss://... for TLS"),
-            "ttl": Option("int", default=0, help="seconds each block lives (0: no expiry)", minimum=0),
+                          help="redis://[:password@]host:port/db, or rediss://... for TLS; with "
+                          "cluster: any one node of the cluster, database 0"),
+            "cluster": Option("bool", default=False,
+                              help="the url names a node of a Redis Cluster (or Valkey cluster): keys "
+                              "are routed to the node that serves their slot"),
+            "ttl": Option("int", default=0, minimum=0,
+                          help="seconds each block lives after its last write or hit (0: no expiry)"),
             "retry_interval": Option("float", default=5.0, minimum=0,
-                                     help="seconds to treat a failed server as down before retrying"),
-            "socket_timeout": Option("float", default=1.0, minimum=0,
-                                     help="seconds before a call to the server gives up"),
+                                     help="seconds to treat a failed server or node as down before "
+                                     "retrying"),
+            "socket_timeout": Option("float", default=1.0, minimum=0.001,
+                                     help="seconds before a connect or a call to a server gives up "
+                                     "(the deadline of every remote call)"),
         },
-        description="KV blocks in a Redis server shared by engines on many machines (pipelined, TTL)",
+        description="KV blocks in a Redis server or Redis Cluster shared by engines on many "
+                    "machines (pipelined per node, TTL)",
     )]
