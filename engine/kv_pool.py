@@ -13,6 +13,7 @@ paged gather needs.
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Sequence
 
 import torch
@@ -155,3 +156,23 @@ class KVPool:
                 f"max {int(index.max())}; pass block ids the backend allocated from this pool"
             )
         return index.to(self.device)
+
+
+def available_memory(device: torch.device) -> int | None:
+    """Bytes that can be allocated on ``device`` now (None when unknown): CUDA's free memory, or
+    on CPU the kernel's MemAvailable (Linux; elsewhere the free physical pages)."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    if device.type != "cpu":
+        return None
+    try:
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return None

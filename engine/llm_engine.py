@@ -31,8 +31,9 @@ from corekv.offload import make_offload
 from corekv.plugin import make_plugin_manager
 from corekv.engine.block_manager import BlockManager
 from corekv.engine.cpu.malloc import tune_glibc_malloc
+from corekv.engine.cpu.threads import apply_threads
 from corekv.engine.detokenizer import IncrementalDetokenizer
-from corekv.engine.kv_pool import KVPool
+from corekv.engine.kv_pool import KVPool, available_memory
 from corekv.engine.model_runner import ModelRunner, ScheduledChunk
 from corekv.engine.models import LoadedModel, load_model
 from corekv.engine.outputs import RequestOutput
@@ -74,6 +75,7 @@ class Engine:
         self.config = config
         ecfg = config.engine
         self.plugin_manager = plugin_manager or make_plugin_manager([*config.plugins, *plugins])
+        self.num_threads = apply_threads(ecfg.threads)
         self.model = model or load_model(config.model, dtype=config.dtype, device=config.device,
                                          plugin_manager=self.plugin_manager)
         m = self.model
@@ -83,8 +85,7 @@ class Engine:
         num_blocks = ecfg.num_blocks or KVPool.num_blocks_for_memory(
             ecfg.kv_cache_memory, num_layers=m.num_layers, block_size=ecfg.block_size,
             num_kv_heads=m.num_kv_heads, head_dim=m.head_dim, dtype=m.dtype)
-        self.kv_pool = KVPool(m.num_layers, num_blocks, ecfg.block_size, m.num_kv_heads, m.head_dim,
-                              m.dtype, m.device)
+        self.kv_pool = _allocate_pool(ecfg, num_blocks, m)
         self.backend = self._make_backend(num_blocks)
         self.offload, self.tiers_not_started = make_offload(
             config.cache, self.plugin_manager, fingerprint=m.fingerprint,
@@ -537,6 +538,28 @@ class Engine:
                 hook.corekv_on_request_finished(output=output)
                 outputs.append(output)
         return outputs
+
+
+def _allocate_pool(ecfg: Any, num_blocks: int, m: LoadedModel) -> KVPool:
+    """The KV pool, or a :class:`ConfigError` naming the field that sized it when it cannot fit.
+
+    NOTE: checked against the memory free now, before allocating: a pool of 10**12 blocks passes
+    the config reader (which knows no model) and would fail inside torch with a message naming
+    no field, or, on CPU, be granted by overcommit and kill the process later.
+    """
+    field = "engine.num_blocks" if ecfg.num_blocks else "engine.kv_cache_memory"
+    per_block = KVPool.compute_bytes_per_token(m.num_layers, m.num_kv_heads, m.head_dim, m.dtype) * ecfg.block_size
+    need, free = num_blocks * per_block, available_memory(m.device)
+    fix = (f"lower {field} (one block of engine.block_size={ecfg.block_size} tokens is {per_block} bytes "
+           f"for this model)")
+    if free is not None and need > free:
+        raise ConfigError(f"{field}: a KV pool of {num_blocks} blocks needs {need} bytes, more than the "
+                          f"{free} bytes of {m.device.type} memory free; {fix}")
+    try:
+        return KVPool(m.num_layers, num_blocks, ecfg.block_size, m.num_kv_heads, m.head_dim, m.dtype, m.device)
+    except (RuntimeError, MemoryError) as exc:  # NOTE: torch's out-of-memory errors
+        raise ConfigError(f"{field}: a KV pool of {num_blocks} blocks ({need} bytes) could not be allocated "
+                          f"({describe_exception(exc)}); {fix}") from exc
 
 
 def _rng_states(seqs: list[Sequence]) -> tuple | None:

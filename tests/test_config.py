@@ -142,7 +142,7 @@ MESSAGES = [
      "are used as given)"),
     ({"engine": []}, "engine: got []; expected a mapping with keys block_size, kv_cache_memory, "
      "num_blocks, max_num_seqs, max_num_batched_tokens, scheduling, preemption, prefill_first, "
-     "enable_prefix_caching, enable_chunked_prefill, compile, cpu_kernels, tune_cpu_malloc, speculative"),
+     "enable_prefix_caching, enable_chunked_prefill, compile, cpu_kernels, threads, tune_cpu_malloc, speculative"),
 ]
 
 
@@ -311,9 +311,9 @@ def test_yaml_problems_are_config_errors(tmp_path, pm):
     broken = write(tmp_path, "engine: {block_size: 16\n", "broken.yaml")
     assert str(error_of(broken, pm)).startswith(f"{broken}: invalid YAML at line 2, column 1: ")
     top_list = write(tmp_path, "- 1\n- 2\n", "list.yaml")
-    assert str(error_of(top_list, pm)) == (
-        "config: got [1, 2]; expected a mapping with keys model, dtype, device, engine, cache, "
-        f"kv_events, plugins (in {top_list})")
+    assert str(error_of(top_list, pm)) == (  # NOTE: the type only: a file's content is never quoted
+        f"config file '{top_list}' does not hold a YAML mapping (it parses as a list); expected a "
+        "corekv config such as 'engine: {block_size: 16}' (see `corekv config --reference`)")
     missing = tmp_path / "missing.yaml"
     assert str(error_of(missing, pm)) == (
         f"config file '{missing}' not found; expected a YAML file: check the path (relative paths "

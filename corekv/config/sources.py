@@ -8,6 +8,7 @@ Precedence, lowest first: the defaults, the YAML file (or mapping), then
 from __future__ import annotations
 
 import os
+import re
 import typing
 from collections.abc import Mapping
 from pathlib import Path
@@ -21,6 +22,7 @@ from corekv.config.values import describe_value, did_you_mean
 from corekv.errors import ConfigError
 
 CONFIG_ENV = "COREKV_CONFIG"
+_SECTION_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 ENV_PREFIX = "COREKV_"
 
 
@@ -132,9 +134,46 @@ def _apply(raw: Any, overrides: list, top: list[str], reader: ConfigReader) -> N
         reader.env_sources[path] = var
 
 
+#: nesting a config may have; the deepest real one (a tier's option lists) needs 5
+MAX_YAML_DEPTH = 32
+#: nodes a document may hold once its aliases are expanded (every config in examples/ has < 200)
+MAX_YAML_NODES = 10_000
+
+
 class _StrictLoader(yaml.SafeLoader):
     """``yaml.SafeLoader`` that rejects a key given twice in one mapping (YAML would keep the
-    last silently, which hides typos such as two ``tiers:`` sections)."""
+    last silently, which hides typos such as two ``tiers:`` sections), nesting deeper than
+    :data:`MAX_YAML_DEPTH`, and documents whose aliases expand past :data:`MAX_YAML_NODES` nodes.
+
+    NOTE: both limits are checked on the composed node graph, before anything is constructed or
+    walked: an alias bomb (9 levels of 10 aliases each is 10**9 nodes in 200 bytes) is shared
+    nodes until something expands it, and the composer recurses once per level (1,000 levels
+    exhaust Python's stack with a 3,000-line traceback).
+    """
+
+    def __init__(self, stream):
+        super().__init__(stream)
+        self._depth = 0
+
+    def compose_node(self, parent, index):
+        self._depth += 1
+        try:
+            if self._depth > MAX_YAML_DEPTH:
+                raise yaml.composer.ComposerError(
+                    None, None, f"nested more than {MAX_YAML_DEPTH} levels deep; no corekv setting "
+                    "needs that, write a flatter file", self.peek_event().start_mark)
+            return super().compose_node(parent, index)
+        finally:
+            self._depth -= 1
+
+    def compose_document(self):
+        node = super().compose_document()
+        if _expanded_size(node) > MAX_YAML_NODES:
+            raise yaml.composer.ComposerError(
+                None, None, f"its aliases (*name) expand to more than {MAX_YAML_NODES} values; "
+                "no corekv config is that large, write the values out or use fewer aliases",
+                node.start_mark)
+        return node
 
     def construct_mapping(self, node, deep=False):
         seen: dict[Any, int] = {}
@@ -148,6 +187,31 @@ class _StrictLoader(yaml.SafeLoader):
                     key_node.start_mark)
             seen[key] = key_node.start_mark.line
         return super().construct_mapping(node, deep=deep)
+
+
+def _expanded_size(root: yaml.Node) -> int:
+    """How many nodes ``root`` holds with every alias expanded (counted once per node: an alias
+    shares its anchor's node), stopping early past :data:`MAX_YAML_NODES`."""
+    sizes: dict[int, int] = {}
+    open_ids: set[int] = set()  # nodes whose children are still being sized
+    stack: list[tuple[yaml.Node, bool]] = [(root, False)]
+    while stack:
+        node, children_done = stack.pop()
+        if id(node) in sizes:
+            continue
+        children = (node.value if isinstance(node, yaml.SequenceNode)
+                    else [n for pair in node.value for n in pair] if isinstance(node, yaml.MappingNode)
+                    else [])
+        if not children_done:
+            if id(node) in open_ids:
+                return MAX_YAML_NODES + 1  # NOTE: an anchor inside its own value: unbounded
+            open_ids.add(id(node))
+            stack.append((node, True))
+            stack.extend((child, False) for child in children if id(child) not in sizes)
+            continue
+        open_ids.discard(id(node))
+        sizes[id(node)] = min(1 + sum(sizes[id(child)] for child in children), MAX_YAML_NODES + 1)
+    return sizes[id(root)]
 
 
 def parse_yaml(text: str, where: str, *, is_env: bool = False) -> Any:
@@ -173,7 +237,20 @@ def read_yaml_file(path: Path, via: str = "") -> Any:
         raise ConfigError(f"config file {str(path)!r}{via} cannot be read ({e}); expected a "
                           "readable UTF-8 YAML file") from e
     data = parse_yaml(text, str(path))
-    return {} if data is None else data
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        # NOTE: the type only, never the value: a path from COREKV_CONFIG may name any file this
+        # process can read (/etc/shadow parses as one string), and errors reach logs and terminals
+        raise ConfigError(f"config file {str(path)!r}{via} does not hold a YAML mapping (it parses as "
+                          f"a {type(data).__name__}); expected a corekv config such as "
+                          "'engine: {block_size: 16}' (see `corekv config --reference`)")
+    if not all(isinstance(key, str) and _SECTION_NAME.fullmatch(key) for key in data):
+        # NOTE: not quoted, for the same reason: "root:$6$...:::" lines parse as mapping keys
+        raise ConfigError(f"config file {str(path)!r}{via} is not a corekv config: a top-level key "
+                          "is not a section name (letters, digits and _, e.g. engine, cache); "
+                          "check that the path names your config")
+    return data
 
 
 def _join(path: str, key: str) -> str:
