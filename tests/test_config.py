@@ -75,8 +75,8 @@ MESSAGES = [
     ({"engine": {"blok_size": 16}},
      "engine.blok_size: unknown key (value 16); did you mean 'block_size'? Valid keys: block_size, "
      "kv_cache_memory, num_blocks, max_num_seqs, max_num_batched_tokens, scheduling, preemption, "
-     "prefill_first, enable_prefix_caching, enable_chunked_prefill, compile, cpu_kernels, tune_cpu_malloc, "
-     "speculative"),
+     "prefill_first, enable_prefix_caching, enable_chunked_prefill, compile, cpu_kernels, threads, "
+     "tune_cpu_malloc, speculative"),
     ({"modle": "x"},
      "modle: unknown key (value 'x'); did you mean 'model'? Valid keys: model, dtype, device, "
      "engine, cache, kv_events, plugins"),

@@ -91,6 +91,10 @@ class EngineConfig:
                               "(about a minute, then cached). auto: native where they build, else the "
                               "torch path with a warning; native: required (a failed build is an error); "
                               "torch: never build them", choices=("auto", "native", "torch"))
+    threads: int | None = _field(None, "threads the engine computes with (torch, OpenMP and the native "
+                                 "kernels; process-wide); unset: the CPUs this process may use (its "
+                                 "affinity and cgroup CPU quota), or OMP_NUM_THREADS where set",
+                                 minimum=1)
     tune_cpu_malloc: bool = _field(True, "on a CPU device with glibc: keep freed activation "
                                    "buffers in the heap (mallopt) instead of page-faulting them in "
                                    "again every layer; off: leave the process's malloc as it is")
