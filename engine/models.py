@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from corekv.engine import prompts
+from corekv.engine import gguf_cache, progress, prompts
 from corekv.errors import CoreKVError
 from corekv.plugin import hookimpl
 
@@ -148,14 +148,11 @@ def load_model(model: str, *, dtype: str = "float32", device: str = "auto", plug
         raise CoreKVError(f"model must be a non-empty string (alias, folder or .gguf path), got {model!r}")
     torch_dtype, torch_device = resolve_dtype(dtype), resolve_device(device)
     path = _resolve_path(model, plugin_manager)
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
-
-    folder, kwargs = _hf_source(path)
     try:
-        config = AutoConfig.from_pretrained(folder, local_files_only=True, **kwargs)
-        check_architecture(config)
-        tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True, **kwargs)
-        hf_model = AutoModelForCausalLM.from_pretrained(folder, local_files_only=True, dtype=torch_dtype, **kwargs)
+        if path.is_file():
+            path = gguf_cache.converted_folder(path) or path
+        with progress.phase(f"loading {path.name}"):
+            config, tokenizer, hf_model = _load_hf(path, torch_dtype)
     except CoreKVError:
         raise
     except (ImportError, ValueError, OSError, KeyError) as e:
@@ -178,7 +175,9 @@ def load_tokenizer(model: str, *, plugin_manager: Any = None) -> Any:
     path = _resolve_path(model, plugin_manager)
     from transformers import AutoTokenizer
 
-    folder, kwargs = _hf_source(path)
+    # NOTE: a GGUF file's converted folder (when an engine made one) has the same tokenizer, read in
+    # a fraction of the time; without one only the tokenizer is read, nothing is converted.
+    folder, kwargs = _hf_source(gguf_cache.existing_folder(path) or path if path.is_file() else path)
     try:
         return AutoTokenizer.from_pretrained(folder, local_files_only=True, **kwargs)
     except (ImportError, ValueError, OSError, KeyError) as e:
@@ -241,6 +240,11 @@ def model_fingerprint(hf_model: Any) -> str:
 
     digest = xxhash.xxh3_128()
     config = {k: v for k, v in hf_model.config.to_dict().items() if k not in _VOLATILE_CONFIG_KEYS}
+    if str((config.get("quantization_config") or {}).get("quant_method", "")).lower().endswith("gguf"):
+        # NOTE: transformers de-quantizes a GGUF file's weights as it loads them, so the tensors hashed
+        # below are what the model computes with; a model loaded from the file and from its converted
+        # folder (corekv.engine.gguf_cache) are the same model and must share KV blocks.
+        del config["quantization_config"]
     digest.update(json.dumps(config, sort_keys=True, default=str).encode())
     for name, tensor in sorted(hf_model.state_dict().items()):
         digest.update(f"{name}|{tensor.dtype}|{tuple(tensor.shape)}|".encode())
@@ -263,6 +267,20 @@ def _eos_token_ids(hf_model: Any, tokenizer: Any) -> set[int]:
         elif isinstance(value, (list, tuple)):
             ids.update(int(v) for v in value)
     return ids
+
+
+def _load_hf(path: Path, torch_dtype: Any) -> tuple[Any, Any, Any]:
+    """The config, tokenizer and model of a folder or ``.gguf`` file; the config is read once and
+    handed to the model (a GGUF file is parsed once per call, not once more for the model's config)."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    folder, kwargs = _hf_source(path)
+    config = AutoConfig.from_pretrained(folder, local_files_only=True, **kwargs)
+    check_architecture(config)
+    tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True, **kwargs)
+    hf_model = AutoModelForCausalLM.from_pretrained(folder, config=config, local_files_only=True, dtype=torch_dtype,
+                                                    **kwargs)
+    return config, tokenizer, hf_model
 
 
 def _hf_source(path: Path) -> tuple[str, dict[str, str]]:

@@ -29,22 +29,28 @@ gives the widest set both this CPU and torch's ``ATEN_CPU_CAPABILITY`` allow
 (:func:`corekv.engine.cpu.isa.native_isa`), or the one named (a test runs the AVX2 code on an
 AVX-512 machine that way).
 
-Built on first use by ``torch.utils.cpp_extension`` (g++ and ninja; tens of seconds on a small
-machine) into torch's extension cache (``TORCH_EXTENSIONS_DIR``), which then serves later processes
-at once (ninja rebuilds only what changed).
+Built on first use by ``torch.utils.cpp_extension`` (g++ and ninja; minutes on a small machine,
+announced on a terminal) into a folder of torch's extension cache (``TORCH_EXTENSIONS_DIR``) named
+by a digest of what the build depends on (:func:`build_key`), which then serves later processes at
+once. NOTE: keyed, not named ``corekv_native`` alone: two checkouts or venvs (another torch or
+python, other sources) would otherwise rebuild each other's kernels, wait on each other's build
+lock and load whichever build the other made; the same sources and versions share one build.
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import os
 import platform
 import shutil
+import sys
 from pathlib import Path
 from typing import Callable, NamedTuple
 
 import torch
 
+from corekv.engine import progress
 from corekv.errors import CoreKVError, describe_exception
 
 SOURCES = [Path(__file__).with_name(name) for name in
@@ -148,6 +154,28 @@ def _revision() -> str:
     return digest.hexdigest()[:12]
 
 
+def build_key() -> str:
+    """A digest of what the kernels' build depends on: the sources, the compile flags, the
+    compiler named by ``$CXX``, the machine, python's and torch's versions."""
+    digest = hashlib.sha256()
+    for part in (_revision(), *_cflags(), os.environ.get("CXX", ""), platform.machine(),
+                 sys.version, sys.abiflags, torch.__version__):
+        digest.update(part.encode() + b"\0")
+    return digest.hexdigest()[:16]
+
+
+def build_directory() -> Path:
+    """Where this environment's build of the kernels lives (see the module's docstring)."""
+    root = os.environ.get("TORCH_EXTENSIONS_DIR") or Path.home() / ".cache" / "torch_extensions"
+    return Path(root) / f"corekv_native-{build_key()}"
+
+
+def _cflags() -> list[str]:
+    # NOTE: no -march on x86-64: the ISA files choose their targets, the rest stays baseline
+    march = [] if platform.machine().lower() in ("x86_64", "amd64") else ["-march=native"]
+    return ["-O3", "-fopenmp", "-ffast-math", *march]
+
+
 def _build():
     global _module, _build_error
     if _build_error is not None:
@@ -161,12 +189,15 @@ def _build():
                 os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
             except ImportError:
                 pass
-        # NOTE: no -march on x86-64: the ISA files choose their targets, the rest stays baseline
-        march = [] if platform.machine().lower() in ("x86_64", "amd64") else ["-march=native"]
+        folder = build_directory()
+        is_built = (folder / "corekv_native.so").is_file()
         try:
-            _module = cpp_extension.load(name="corekv_native", sources=[str(path) for path in SOURCES],
-                                         extra_cflags=["-O3", "-fopenmp", "-ffast-math", *march],
-                                         extra_ldflags=["-fopenmp"])
+            folder.mkdir(parents=True, exist_ok=True)
+            with (contextlib.nullcontext() if is_built else progress.phase(
+                    "building corekv's native kernels (once per environment, 1-3 minutes on a small machine)")):
+                _module = cpp_extension.load(name="corekv_native", sources=[str(path) for path in SOURCES],
+                                             extra_cflags=_cflags(), extra_ldflags=["-fopenmp"],
+                                             build_directory=str(folder))
         except Exception as exc:  # compiler, ninja and build failures come as several exception types
             _build_error = NativeBuildError(
                 f"could not build corekv's native kernels ({describe_exception(exc)}); it needs a "

@@ -1,0 +1,104 @@
+"""A ``.gguf`` model converted once into a Hugging Face folder (safetensors), so later starts skip
+the GGUF parse.
+
+transformers reads a GGUF file by parsing its metadata and de-quantizing every tensor to float32,
+for the config, the tokenizer and the weights separately: tens of seconds per start for a 135M
+model on a small machine. :func:`converted_folder` does that once per file and writes the result
+where a plain ``from_pretrained`` reads it back in about a second: ``config.json``,
+``generation_config.json``, the tokenizer's files and ``model.safetensors`` (the de-quantized
+float32 weights; another ``dtype`` is converted from them at load, as from the GGUF).
+
+NOTE: corekv writes the folder itself (``save_pretrained`` of the config and tokenizer, the
+``safetensors`` package for the weights) because transformers refuses ``save_pretrained`` on a
+model it loaded from a GGUF file.
+
+The folder is ``$COREKV_CACHE_DIR/models/<file stem>-<key>`` (default ``~/.cache/corekv``), keyed by
+a digest of the file's bytes and transformers' version (which decides the conversion), so a changed
+file or another transformers converts again. It is written under a temporary name and renamed
+into place: a reader never sees half a folder, and of two processes converting at once one keeps
+its folder, the other uses it. Where the cache cannot be written the model is loaded from the
+GGUF file on every start, as before (logged once).
+"""
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+from pathlib import Path
+
+from corekv.engine import progress
+
+#: bump when what is written changes, so older folders are not read as this format
+_FORMAT = "1"
+#: written last: a folder without it is not a finished conversion
+_DONE = "corekv-converted"
+_CHUNK = 16 << 20
+logger = logging.getLogger(__name__)
+
+
+def cache_root() -> Path:
+    """Where converted models live (``$COREKV_CACHE_DIR/models``, default ``~/.cache/corekv/models``)."""
+    return Path(os.environ.get("COREKV_CACHE_DIR") or Path.home() / ".cache" / "corekv") / "models"
+
+
+def existing_folder(gguf_path: Path) -> Path | None:
+    """The converted folder of ``gguf_path`` when one is already there, else ``None``."""
+    folder = _folder_for(gguf_path)
+    return folder if (folder / _DONE).is_file() else None
+
+
+def converted_folder(gguf_path: Path) -> Path | None:
+    """The converted folder of ``gguf_path``, converting it first if needed; ``None`` where the
+    cache cannot be written (the caller then loads the GGUF file itself)."""
+    folder = _folder_for(gguf_path)
+    if (folder / _DONE).is_file():
+        return folder
+    tmp = folder.with_name(f"{folder.name}.{os.getpid()}.tmp")
+    try:
+        folder.parent.mkdir(parents=True, exist_ok=True)  # NOTE: fails before the long conversion
+        with progress.phase(f"converting {gguf_path.name} to safetensors (once per file)"):
+            _convert(gguf_path, tmp)
+        try:
+            os.replace(tmp, folder)
+        except OSError:
+            if not (folder / _DONE).is_file():  # NOTE: else another process converted it first
+                raise
+    except OSError as exc:
+        logger.warning("could not cache the converted model in %s (%s); reading %s on every start",
+                       folder, exc, gguf_path.name)
+        return None
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return folder
+
+
+def _folder_for(gguf_path: Path) -> Path:
+    import transformers
+    import xxhash
+
+    digest = xxhash.xxh3_128()
+    digest.update(f"{_FORMAT}|transformers {transformers.__version__}|".encode())
+    with open(gguf_path, "rb") as f:
+        while chunk := f.read(_CHUNK):
+            digest.update(chunk)
+    return cache_root() / f"{gguf_path.stem}-{digest.hexdigest()[:20]}"
+
+
+def _convert(gguf_path: Path, folder: Path) -> None:
+    """Read ``gguf_path`` with transformers (float32) and write it to ``folder`` as a HF folder."""
+    import torch
+    from safetensors.torch import save_model
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    source, kwargs = str(gguf_path.parent), {"gguf_file": gguf_path.name, "local_files_only": True}
+    config = AutoConfig.from_pretrained(source, **kwargs)
+    tokenizer = AutoTokenizer.from_pretrained(source, **kwargs)
+    model = AutoModelForCausalLM.from_pretrained(source, config=config, dtype=torch.float32, **kwargs)
+    folder.mkdir(parents=True, exist_ok=True)
+    config.save_pretrained(folder)
+    if getattr(model, "generation_config", None) is not None:
+        model.generation_config.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    # NOTE: save_model, not save_file: it writes a tied weight (lm_head = embed_tokens) once
+    save_model(model, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    (folder / _DONE).write_text(f"converted from {gguf_path}\n")
