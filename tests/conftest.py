@@ -1,11 +1,18 @@
 """Session-wide test settings and fixtures: keep plugin loading hermetic (only corekv's own entry
-points) and save the tiny model once for the tests that start engines from a model folder."""
+points), keep OpenMP's threads from spinning on a shared CPU, and save the tiny model once for the
+tests that start engines from a model folder. The per-test timeout and the slowest-tests list are
+pytest options in pyproject.toml."""
 import importlib.util
 import os
 
 import pytest
 
 os.environ.setdefault("COREKV_DISABLE_PLUGIN_AUTOLOAD", "1")
+# NOTE: before anything imports torch (OpenMP reads it once, when it starts), for this process and
+# every engine, server and worker the tests start: the suite shares its CPU with the processes it
+# starts (and on CI with nothing else), where OpenMP's spin-waiting threads stall each other.
+# `import corekv` sets the same; said here so no import order can undo it.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 # tests/vllm runs under the vLLM venv's python (.ci/run); the main venv has no vllm. NOTE: the
 # folder tests/vllm itself is found as a namespace package "vllm" (no origin), not the library.
