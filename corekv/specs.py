@@ -13,14 +13,15 @@ from dataclasses import dataclass, field
 from typing import Any
 
 _REQUIRED = object()
-OPTION_KINDS = ("int", "float", "str", "bool", "size")
+OPTION_KINDS = ("int", "float", "str", "bool", "size", "mapping")
 
 
 @dataclass(frozen=True)
 class Option:
     """One option a backend, a tier or a config section accepts in the config.
 
-    :param kind: ``int``, ``float``, ``str``, ``bool`` or ``size`` (bytes; accepts ``"2GiB"``).
+    :param kind: ``int``, ``float``, ``str``, ``bool``, ``size`` (bytes; accepts ``"2GiB"``) or
+        ``mapping`` (string keys to any values, passed on as a dict: a library's own options).
     :param default: the value when the option is absent; omit it to make the option required.
     :param choices: allowed values, if the option is an enumeration.
     :param minimum: smallest allowed value for numbers and sizes.

@@ -10,7 +10,7 @@ from __future__ import annotations
 import difflib
 import math
 import re
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from decimal import Decimal, InvalidOperation
 from typing import Any
@@ -80,8 +80,9 @@ def describe_value(value: Any, limit: int = 80) -> str:
 
 @dataclass(frozen=True)
 class Check:
-    """What one value must be: a kind (``int``, ``float``, ``str``, ``bool``, ``size``) and
-    optional constraints. :meth:`expected` words them once, for errors and the reference."""
+    """What one value must be: a kind (``int``, ``float``, ``str``, ``bool``, ``size``,
+    ``mapping``) and optional constraints. :meth:`expected` words them once, for errors and the
+    reference."""
 
     kind: str
     choices: tuple[Any, ...] = ()
@@ -113,6 +114,7 @@ class Check:
             "int": "an integer", "float": "a number",
             "str": "a string" if self.allow_empty else "a non-empty string",
             "bool": "true or false", "size": f"a size such as {SIZE_EXAMPLES}",
+            "mapping": "a mapping of names to values (YAML `key: value` lines)",
         }[self.kind]
         if self.power_of_two:
             text = "a power of two (1, 2, 4, 8, 16, ...)"
@@ -144,6 +146,10 @@ class Check:
             value = float(value)
         elif kind == "str" and (not isinstance(value, str) or not (value or self.allow_empty)):
             return False, None
+        elif kind == "mapping":
+            if not isinstance(value, Mapping) or not all(isinstance(k, str) for k in value):
+                return False, None
+            value = dict(value)
         if self.choices and value not in self.choices:
             return False, None
         if self.minimum is not None and value < self.minimum:
