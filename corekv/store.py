@@ -121,13 +121,16 @@ def verify(view: StoreView, *, delete_bad: bool = False, secret: bytes | None = 
     if delete_bad and bad:
         view.admin.delete([entry.ref for entry, _ in bad])
     return {"name": view.name, "good": good, "bad": len(bad), "deleted": len(bad) if delete_bad else 0,
-            "bad_entries": [{"key": e.key.hex(), "model": e.model, "reason": r} for e, r in bad]}
+            "bad_entries": [{"key": e.key.hex(), "model": e.model, "reason": r} for e, r in bad],
+            "swept": view.admin.sweep()}
 
 
 def clear(view: StoreView, model: str | None) -> int:
-    """Delete every entry of ``model`` (12 hex digits), or of every model when ``None``."""
+    """Delete every entry of ``model`` (12 hex digits), or of every model when ``None``, and what
+    failed writes left behind (:meth:`StoreAdmin.sweep`)."""
     refs = [e.ref for e in view.entries() if model is None or e.model == model]
     view.admin.delete(refs)
+    view.admin.sweep()
     return len(refs)
 
 

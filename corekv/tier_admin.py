@@ -66,6 +66,12 @@ class StoreAdmin(ABC):
         """Bytes the store may hold (``None``: unbounded, or decided by a server)."""
         return None
 
+    def sweep(self) -> int:
+        """Remove what failed writes left behind (temporary objects no reader sees); returns how
+        many. ``corekv store clear`` and ``verify`` call it; a store whose writes are atomic has
+        nothing to sweep."""
+        return 0
+
     def close(self) -> None:
         """Release the store (a database handle, a connection)."""
 
