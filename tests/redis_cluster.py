@@ -9,6 +9,7 @@ clusters of parallel test runs never collide. Like tests/redis_server.py, a miss
 """
 from __future__ import annotations
 
+import os
 import shutil
 import signal
 import subprocess
@@ -30,7 +31,10 @@ class RedisCluster:
 
     def __init__(self, workdir, *extra_args: str, node_timeout_ms: int = NODE_TIMEOUT_MS):
         self.binary = require_redis_server()
-        self.cli = shutil.which("redis-cli") or pytest.fail("redis-cli is missing beside redis-server")
+        self.cli = shutil.which("redis-cli")
+        if self.cli is None:
+            message = "redis-cli is not installed (apt-get install -y redis-tools)"
+            pytest.fail(f"{message} but CI is set") if os.environ.get("CI") else pytest.skip(message)
         self.workdir = workdir
         self.extra_args = list(extra_args)
         self.node_timeout_ms = node_timeout_ms
