@@ -21,7 +21,8 @@ rank 0, block hashes as vLLM's default 64-bit ints (:func:`corekv.kv_event_wire.
 of corekv's chain hashes), and one ``extra_keys`` entry per block.
 
 What a subscriber learns: every cached and evicted block's hash, when (each batch's time), the
-blocks' token ids unless ``kv_events.include_token_ids`` is false, and for a salted chain a digest
+blocks' token ids only with ``kv_events.include_token_ids: true`` (off by default: they are the
+prompts), and for a salted chain a digest
 of its tenant's salt (:func:`corekv.kv_event_wire.cache_salt_key`), never the salt itself. The
 default endpoint listens on loopback only, so only processes on the same machine can subscribe.
 """
@@ -70,11 +71,13 @@ OPTIONS = {
     "hwm": Option("int", default=100000, minimum=1,
                   help="most batches waiting to be sent (the publisher queue and the PUB socket's "
                        "high-water mark); past it batches are dropped and counted"),
-    "include_token_ids": Option("bool", default=True,
-                                help="send each stored block's token ids (false: empty lists, so "
-                                     "subscribers cannot read prompts, and a router cannot match "
-                                     "prompts to the blocks: corekv route then routes on the "
-                                     "prompts it sent)"),
+    # NOTE: off by default: token ids are the tenants' prompts in clear text, for anyone who
+    # can subscribe; a router matching prompts to blocks needs them turned on.
+    "include_token_ids": Option("bool", default=False,
+                                help="send each stored block's token ids (true: anyone who can "
+                                     "subscribe reads every tenant's prompts, and corekv route can "
+                                     "match prompts to the blocks; false: empty lists, and corekv "
+                                     "route routes on the prompts it sent)"),
 }
 
 

@@ -12,7 +12,7 @@ from corekv.errors import ConfigError
 from corekv.plugin import make_plugin_manager
 
 DEFAULTS = dict(enabled=False, endpoint="tcp://127.0.0.1:5557", replay_endpoint=None, topic="",
-                buffer_steps=10000, hwm=100000, include_token_ids=True)
+                buffer_steps=10000, hwm=100000, include_token_ids=False)
 
 
 def load(section, **env):
@@ -73,8 +73,8 @@ def test_port_zero_asks_for_free_ports_so_both_sockets_may_say_it():
 
 def test_environment_overrides_reach_the_section():
     cfg = load_config({}, env={"COREKV_KV_EVENTS__ENABLED": "true", "COREKV_KV_EVENTS__HWM": "64",
-                               "COREKV_KV_EVENTS__INCLUDE_TOKEN_IDS": "false"})
-    assert cfg.kv_events.enabled and cfg.kv_events.hwm == 64 and not cfg.kv_events.include_token_ids
+                               "COREKV_KV_EVENTS__INCLUDE_TOKEN_IDS": "true"})
+    assert cfg.kv_events.enabled and cfg.kv_events.hwm == 64 and cfg.kv_events.include_token_ids
     with pytest.raises(ConfigError, match=r"kv_events.buffer_steps: got -1.*\(set by COREKV_KV_EVENTS__BUFFER_STEPS\)"):
         load_config({}, env={"COREKV_KV_EVENTS__BUFFER_STEPS": "-1"})
 

@@ -48,7 +48,7 @@ def tiny(tiny_model_folder):
 
 def make_engine(tiny, backend="hash_blocks", num_blocks=64, **kv_events):
     kv = {"enabled": True, "endpoint": "tcp://127.0.0.1:0", "replay_endpoint": "tcp://127.0.0.1:0",
-          **kv_events}
+          "include_token_ids": True, **kv_events}
     config = load_config({"model": "tiny", "engine": {"num_blocks": num_blocks, "block_size": BS},
                           "cache": {"backend": backend}, "kv_events": kv}, env={})
     return Engine(config, model=tiny)

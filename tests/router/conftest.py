@@ -18,7 +18,8 @@ def workers(tiny_model_folder, tmp_path_factory):
     for i in range(NUM_WORKERS):
         config = {"model": str(tiny_model_folder), "device": "cpu",
                   "engine": {"block_size": BLOCK_SIZE, "num_blocks": NUM_BLOCKS},
-                  "kv_events": {"enabled": True, "endpoint": f"tcp://127.0.0.1:{free_port()}",
+                  "kv_events": {"enabled": True, "include_token_ids": True,
+                                "endpoint": f"tcp://127.0.0.1:{free_port()}",
                                 "replay_endpoint": f"tcp://127.0.0.1:{free_port()}"}}
         path = folder / f"worker{i}.yaml"
         path.write_text(yaml.safe_dump(config))
