@@ -325,7 +325,9 @@ class Engine:
         """Compute ``prompt``'s KV and keep its full blocks cached (and pinned when ``pin``).
 
         Chat messages are rendered without the assistant prompt, as the prefix of a later
-        conversation. Returns the number of prompt tokens now cached (pinned, when ``pin``).
+        conversation. Returns the number of prompt tokens now cached (pinned, when ``pin``): whole
+        blocks only, so a prompt shorter than one block (``engine.block_size`` tokens) keeps nothing,
+        returns 0 and logs a warning saying so.
         :raises PinLimitError: if pinning would exceed ``cache.max_pinned_fraction`` of the pool.
         """
         if not self.config.engine.enable_prefix_caching:
@@ -333,6 +335,12 @@ class Engine:
         if not isinstance(pin, bool):
             raise TypeError(f"warm(pin=...) must be True or False, got {pin!r}")
         token_ids = self.encode(prompt, add_generation_prompt=False)
+        if len(token_ids) < self.block_size:
+            logger.warning("warm: the prompt is %d tokens, shorter than one %d-token block "
+                           "(engine.block_size), so nothing is cached or pinned; warm a longer prefix "
+                           "(the whole system prompt or document) or lower engine.block_size",
+                           len(token_ids), self.block_size)
+            return 0
         request = self._make_request(prompt, SamplingParams(max_tokens=1, temperature=0.0), cache_salt,
                                      None, prompt_token_ids=token_ids)
         request.is_internal = True

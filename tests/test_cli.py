@@ -273,7 +273,7 @@ def test_help_runs_from_the_console_script():
 # -- generate and warm on the real model -----------------------------------------------------------
 @pytest.mark.slow
 def test_generate_and_warm_print_what_the_engine_returns(tmp_path):
-    """Loads SmolLM2 three times (the reference here and two CLI runs), so it is marked slow."""
+    """Loads SmolLM2 five times (the reference here and four CLI runs), so it is marked slow."""
     prompt = "What is the capital of France?"
     system = "You are a helpful assistant. Answer in one short sentence, without any preamble."
     cfg = load_config({"device": "cpu"}, env={})
@@ -281,14 +281,23 @@ def test_generate_and_warm_print_what_the_engine_returns(tmp_path):
         expected = engine.generate([[{"role": "user", "content": prompt}]],
                                    corekv.SamplingParams(max_tokens=8, temperature=0.0))[0].text
         expected_warm = engine.warm(system, pin=True)
-    assert expected and expected_warm > 0
+        expected_chat = engine.warm([{"role": "system", "content": system}], pin=False)
+    assert expected and expected_warm > 0 and expected_chat > 0
     env = {"COREKV_DEVICE": "cpu"}
     result = run("generate", "--chat", "--prompt", prompt, "--max-tokens", "8", env=env, cwd=tmp_path)
     assert result.returncode == 0, result.stderr
     assert result.stdout == expected + "\n"
     result = run("warm", "--prompt", system, "--pin", env=env, cwd=tmp_path)
     assert result.returncode == 0, result.stderr
-    assert result.stdout == f"warmed and pinned {expected_warm} prompt tokens\n"
+    # the defaults' lmdb tier keeps the KV for later processes; the pin ends with the command
+    assert result.stdout == (f"warmed {expected_warm} prompt tokens: kept in tier lmdb for later processes; "
+                             "pinned until this command exits\n")
+    result = run("warm", "--chat", "--prompt", system, "--quiet", env=env, cwd=tmp_path)
+    assert result.stdout == f"warmed {expected_chat} prompt tokens: kept in tier lmdb for later processes\n"
+    result = run("warm", "--prompt", "Hi", env=env, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith("warmed 0 prompt tokens")
+    assert "shorter than one 16-token block" in result.stderr
 
 
 def test_config_may_be_given_before_or_after_the_command(tmp_path, capsys):

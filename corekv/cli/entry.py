@@ -39,6 +39,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "defaults: see `corekv config`)")
     common.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
                         help="log debug messages and show tracebacks on errors")
+    common.add_argument("--quiet", action="store_true", default=argparse.SUPPRESS,
+                        help="no start-up progress lines on stderr (printed on a terminal only: "
+                        "loading or converting the model, building the native kernels)")
     parser = Parser(prog="corekv", parents=[common], **parser_kwargs(
         "corekv: a plugin-style KV-cache framework for LLM inference.",
         "  corekv plugins\n"
@@ -67,6 +70,8 @@ def main(argv: list[str] | None = None) -> int:
     except SystemExit as e:  # --help
         return e.code if isinstance(e.code, int) else 0
     debug = getattr(args, "debug", False)
+    if getattr(args, "quiet", False):
+        os.environ["COREKV_QUIET"] = "1"  # NOTE: read by corekv.engine.progress
     if args.command in _QUIET_LOADING_COMMANDS and not debug:
         # NOTE: transformers and its GGUF reader draw tqdm bars while loading, which bury the one
         # line of output. tqdm reads TQDM_* variables when it is imported, so set it first.

@@ -52,8 +52,13 @@ def add_warm_command(commands, common) -> None:
                    help="the prefix text (repeat for several prompts)")
     p.add_argument("--prompts-file", metavar="FILE",
                    help="a text file with one prompt per line (blank lines skipped)")
+    p.add_argument("--chat", action="store_true",
+                   help="send each prompt as a system message through the model's chat template (as "
+                        "cache.pinned's chat: true does), the prefix of later chat requests")
     p.add_argument("--salt", metavar="S", help="cache_salt the prefix is kept for")
-    p.add_argument("--pin", action="store_true", help="pin it: never evicted from the device pool")
+    p.add_argument("--pin", action="store_true",
+                   help="also pin it in this process's device pool, until the command exits (to keep "
+                        "a prefix pinned in a server, list it under cache.pinned)")
     p.add_argument("--stats", action="store_true", help="also print the engine's stats (stderr)")
     p.add_argument("--json", action="store_true", help="with --stats: the stats as JSON")
     p.set_defaults(handler=cmd_warm)
@@ -101,14 +106,18 @@ def cmd_warm(args: argparse.Namespace) -> int:
                          "(see 'corekv warm --help')")
     cfg, plugin_manager = read_config_arg(args)
     with corekv.Engine.from_config(cfg, plugin_manager=plugin_manager) as engine:
-        counts = [engine.warm(p, pin=args.pin, cache_salt=args.salt)
+        counts = [engine.warm([{"role": "system", "content": p}] if args.chat else p, pin=args.pin,
+                              cache_salt=args.salt)
                   for p in progress(prompts, "warm", unit="prompt")]
         stats = engine.stats() if args.stats else None
-    verb = "warmed and pinned" if args.pin else "warmed"
-    if len(counts) == 1:
-        print(f"{verb} {counts[0]} prompt tokens")
+        tier_names = [tier.name for tier in cfg.cache.tiers]
+    what = f"{counts[0]} prompt tokens" if len(counts) == 1 else f"{sum(counts)} prompt tokens in {len(counts)} prompts"
+    # NOTE: say where the KV outlives this command: only in the config's tiers; a pin does not
+    if not tier_names:
+        where = "no tier is configured, so they are gone when this command exits"
     else:
-        print(f"{verb} {sum(counts)} prompt tokens in {len(counts)} prompts")
+        where = f"kept in tier{'s' if len(tier_names) > 1 else ''} {', '.join(tier_names)} for later processes"
+    print(f"warmed {what}: {where}" + ("; pinned until this command exits" if args.pin else ""))
     if stats is not None:
         _print_stats(stats, as_json=args.json)
     return 0

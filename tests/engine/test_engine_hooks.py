@@ -5,6 +5,8 @@ the tiny Llama (its chat template is ChatML over a byte tokenizer).
 """
 from __future__ import annotations
 
+import logging
+
 import pytest
 
 from corekv.backend import BlockEvent
@@ -141,6 +143,13 @@ def test_unpin_releases_what_warm_pinned(tiny_llama):
         assert engine.unpin(prompt) == 32
         assert engine.stats()["kv_num_pinned_blocks"] == 0
         assert engine.warm(prompt, pin=False) == 32  # still cached, just not pinned
+
+
+def test_warm_of_a_prompt_shorter_than_a_block_keeps_nothing_and_says_so(tiny_llama, caplog):
+    with make_engine(tiny_llama) as engine, caplog.at_level(logging.WARNING):
+        assert engine.warm(list(range(3, 18))) == 0  # 15 tokens, one short of a block
+        assert engine.stats()["kv_num_pinned_blocks"] == 0 and engine.stats()["num_steps"] == 0
+    assert "the prompt is 15 tokens, shorter than one 16-token block (engine.block_size)" in caplog.text
 
 
 def test_a_bad_pinned_entry_is_named_in_the_error(tiny_llama):
