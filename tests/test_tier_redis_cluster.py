@@ -75,11 +75,11 @@ def test_keys_spread_over_every_primary_and_a_batch_is_one_round_trip_per_node(r
             return {port: client.info("stats")["total_reads_processed"] for port, client in clients.items()}
 
         before = reads()
-        assert tier.exists(keys[:16]) == 16
+        assert tier.contains_many(keys) == [True] * 48
         after = reads()
-        # NOTE: one read event is the pipeline, one the second INFO; a key-per-call client
-        # would show ~5 per node here
-        assert {port: after[port] - before[port] for port in ports} == {port: 2 for port in ports}
+        # NOTE: one read event is the pipeline, one the second INFO, and a replica's once-a-second
+        # REPLCONF ACK may add one; a call per key would show ~16 per node here
+        assert all(2 <= after[port] - before[port] <= 3 for port in ports), (before, after)
         assert [bytes(p) for p in tier.get(keys)] == [v for _, v in items(keys)]
         tier.delete(keys)
         assert tier.get(keys) == [None] * 48 and tier.num_entries == 0
