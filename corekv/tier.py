@@ -12,6 +12,11 @@ store, every model's entries, for ``corekv store`` (:mod:`corekv.tier_admin`). A
 its plugin's ``TierSpec`` by :func:`corekv.tier_factory.make_tier`, which documents the factory
 convention.
 
+Remote tiers (redis, fsspec on an object store) handle their stores' faults with
+:class:`corekv.tier_faults.Cooldowns`: a deadline on every call, then a cool-down per node or
+endpoint, so a dead or stalled store costs one deadline per ``retry_interval``, and only the keys
+it holds.
+
 This module stays whole past ~350 lines because it is one concept, the base class whose public
 methods share its checks, lock, statistics and fault handling (the verify thread serves
 ``get_into`` alone).

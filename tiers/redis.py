@@ -303,18 +303,25 @@ class RedisTier(Tier):
                            self.name, self.url_for_logs, describe_exception(error))
 
     def _on_primaries(self, what: str, fn) -> list:
-        """``fn(client)`` on every primary that answers (for usage and listing; not on steps)."""
+        """``fn(client)`` on every primary that answers and is not cooling down (for usage and
+        listing; not on steps)."""
         with self._lock:
             if self._nodes is None and not self._connect():
                 return []
             primaries = self._nodes.primaries()
         results = []
         for node, client in primaries:
+            with self._lock:
+                if self._cooldowns.is_down(node):
+                    continue
             try:
                 results.append(fn(client))
             except self._errors as e:
                 with self._lock:
                     self._cooldowns.failed(node, what, e)
+                continue
+            with self._lock:
+                self._cooldowns.succeeded(node)
         return results
 
 
