@@ -42,6 +42,10 @@ def add_serve_command(commands, common) -> None:
                    help=f"require 'Authorization: Bearer KEY' on every endpoint but /health (401 "
                         f"otherwise; the openai client sends its api_key so); default: "
                         f"${API_KEY_ENV}, else none. Prefer the variable: a flag shows in ps")
+    p.add_argument("--api-keys", metavar="FILE",
+                   help="per-tenant keys instead of one --api-key: a YAML file 'admin: KEY' and "
+                        "'tenants: {NAME: KEY}'; a tenant's requests run under cache_salt NAME, "
+                        "/admin/* and /metrics need the admin key, usage is counted per tenant")
     p.add_argument("--max-request-bytes", metavar="SIZE", type=size_arg, default=DEFAULT_MAX_REQUEST_SIZE,
                    help=f"larger request bodies are answered 413 before they are read (e.g. 4MiB, "
                         f"1MB, 65536; default: {DEFAULT_MAX_REQUEST_SIZE})")
@@ -53,12 +57,25 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     if not args.host.strip():
         raise UsageError("--host: got an empty string; pass an address such as 127.0.0.1 or 0.0.0.0")
-    api_key = api_key_arg(args.api_key, "--api-key", API_KEY_ENV)
+    api_keys = None
+    if args.api_keys is not None:
+        from corekv.server.tenants import TenantKeys
+
+        if args.api_key is not None:
+            raise UsageError("--api-key and --api-keys exclude each other; pass one")
+        try:
+            api_keys = TenantKeys.from_file(args.api_keys)
+        except ValueError as e:
+            raise UsageError(str(e)) from None
+        api_key = None  # NOTE: $COREKV_API_KEY is ignored when a key file is given
+    else:
+        api_key = api_key_arg(args.api_key, "--api-key", API_KEY_ENV)
     cfg, plugin_manager = read_config_arg(args)
     try:
         serve(cfg, args.host, args.port, served_model_name=args.served_model_name,
               drain_timeout=args.drain_timeout, log_level=args.log_level, api_key=api_key,
-              max_request_bytes=args.max_request_bytes, plugin_manager=plugin_manager)
+              max_request_bytes=args.max_request_bytes, plugin_manager=plugin_manager,
+              api_keys=api_keys)
     except OSError as e:  # NOTE: the address cannot be bound; the message names it and the fix
         from corekv.errors import CoreKVError
 

@@ -16,13 +16,15 @@ Endpoints::
 Every error is OpenAI's body ``{"error": {"message", "type", "param", "code"}}``: 4xx for what the
 client sent, 5xx only for faults of the server. Two middlewares answer before any route runs:
 with an ``api_key``, a request without it is a 401 (every path but ``/health``,
-:mod:`corekv.server.auth`); a body over ``max_request_bytes`` is a 413
-(:mod:`corekv.server.limits`).
+:mod:`corekv.server.auth`); with per-tenant ``api_keys`` the same, and a tenant's key is a 403 on
+``/admin/*`` and ``/metrics`` (:mod:`corekv.server.tenants`); a body over ``max_request_bytes`` is
+a 413 (:mod:`corekv.server.limits`).
 """
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 from collections.abc import AsyncIterator, Awaitable
 from typing import Any
@@ -41,6 +43,7 @@ from corekv.server.protocol import (APIError, GenerateRequest, error_body, parse
                                     parse_completion, parse_json, parse_prefix)
 from corekv.server.logprobs import TokenTexts
 from corekv.server.responses import ResponseWriter, SSE_DONE, sse
+from corekv.server.tenants import TenantGuard, TenantKeys, TenantUsage, scoped_salt, tenant_of
 
 __all__ = ["build_app", "as_api_error", "kv_events_info"]
 
@@ -48,8 +51,8 @@ DISCONNECT_POLL_S = 0.25  # how often a non-streamed request checks that its cli
 
 
 def build_app(engine: Any, *, served_model_name: str | None = None, close_engine: bool = False,
-              api_key: str | None = None, max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
-              ) -> FastAPI:
+              api_key: str | None = None, max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
+              api_keys: TenantKeys | None = None) -> FastAPI:
     """The FastAPI app serving ``engine``; it starts the engine thread on startup and stops it on
     shutdown (closing the engine there when ``close_engine``).
 
@@ -57,6 +60,9 @@ def build_app(engine: Any, *, served_model_name: str | None = None, close_engine
         ``engine.config.model``).
     :param api_key: when set, every path but ``/health`` needs ``Authorization: Bearer <api_key>``.
     :param max_request_bytes: larger request bodies are answered 413 before they are read.
+    :param api_keys: per-tenant keys and an admin key (:mod:`corekv.server.tenants`): a tenant's
+        requests run under its own salt, ``/admin/*`` and ``/metrics`` need the admin key, and
+        each tenant's usage is counted; instead of ``api_key``.
     """
     if served_model_name is not None and (not isinstance(served_model_name, str)
                                           or not served_model_name.strip()):
@@ -64,6 +70,9 @@ def build_app(engine: Any, *, served_model_name: str | None = None, close_engine
                          f"{served_model_name!r}; pass the model id clients will send")
     if api_key is not None:
         check_api_key(api_key)
+    if api_key is not None and api_keys is not None:
+        raise ValueError("pass api_key (one key for everything) or api_keys (per-tenant keys and an "
+                         "admin key), not both")
     check_max_request_bytes(max_request_bytes)  # NOTE: here, not when the first request builds the stack
     model_id = served_model_name or str(engine.config.model)
     runner = AsyncEngine(engine, close_engine=close_engine)
@@ -81,6 +90,9 @@ def build_app(engine: Any, *, served_model_name: str | None = None, close_engine
     app.add_middleware(BodyLimit, max_bytes=max_request_bytes)
     if api_key is not None:
         app.add_middleware(APIKeyGuard, api_key=api_key)
+    if api_keys is not None:
+        app.add_middleware(TenantGuard, keys=api_keys)
+    usage = TenantUsage(api_keys.tenant_names if api_keys is not None else ())
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, exc: APIError) -> JSONResponse:
@@ -98,13 +110,13 @@ def build_app(engine: Any, *, served_model_name: str | None = None, close_engine
 
     @app.post("/v1/completions")
     async def completions(request: Request):
-        req = parse_completion(await _json(request))
-        return await _generate(runner, model_id, req, "completion", request, tokens)
+        req = _scoped(parse_completion(await _json(request)), request)
+        return await _generate(runner, model_id, req, "completion", request, tokens, usage)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
-        return await _generate(runner, model_id, parse_chat(await _json(request)), "chat", request,
-                               tokens)
+        return await _generate(runner, model_id, _scoped(parse_chat(await _json(request)), request),
+                               "chat", request, tokens, usage)
 
     @app.get("/v1/models")
     async def models():
@@ -124,6 +136,9 @@ def build_app(engine: Any, *, served_model_name: str | None = None, close_engine
         from corekv.plugins import prometheus
 
         exporter = prometheus.exporter_for(engine)
+        if api_keys is not None:  # NOTE: behind the admin key (TenantGuard), labelled by tenant
+            text = (exporter.exposition() if exporter is not None else b"") + usage.exposition()
+            return Response(text, media_type="text/plain; version=0.0.4; charset=utf-8")
         if exporter is None:
             raise APIError("no metrics: prometheus-client is not installed (pip install "
                            "'corekv[metrics]') or the prometheus plugin is disabled", status=404)
@@ -145,6 +160,8 @@ def build_app(engine: Any, *, served_model_name: str | None = None, close_engine
     @app.get("/admin/stats")
     async def stats():
         stats = await _answer(runner.call(lambda e: e.stats()))
+        if api_keys is not None:
+            stats["tenants"] = usage.snapshot()
         return JSONResponse(json.loads(json.dumps(stats, default=str)))
 
     @app.get("/admin/info")
@@ -207,8 +224,14 @@ async def _answer(work: Awaitable[Any]) -> Any:
         raise as_api_error(e) from e
 
 
+def _scoped(req: GenerateRequest, http_request: Request) -> GenerateRequest:
+    """``req`` under its tenant's salt (:func:`corekv.server.tenants.scoped_salt`)."""
+    salt = scoped_salt(tenant_of(http_request), req.cache_salt)
+    return req if salt == req.cache_salt else dataclasses.replace(req, cache_salt=salt)
+
+
 async def _generate(runner: AsyncEngine, model_id: str, req: GenerateRequest, kind: str,
-                    http_request: Request, tokens: TokenTexts):
+                    http_request: Request, tokens: TokenTexts, usage: TenantUsage):
     if req.model is not None and req.model != model_id:
         raise APIError(f"the model {req.model!r} does not exist; this server serves {model_id!r} "
                        "(see GET /v1/models)", status=404, param="model", code="model_not_found")
@@ -242,7 +265,9 @@ async def _generate(runner: AsyncEngine, model_id: str, req: GenerateRequest, ki
         finally:
             for r in results:
                 r.cancel()
-        return writer.full([r.result() for r in results], echoes)
+        outputs = [r.result() for r in results]
+        usage.record(tenant_of(http_request), outputs)
+        return writer.full(outputs, echoes)
 
     async def events() -> AsyncIterator[str]:
         for chunk in writer.opening():
@@ -265,6 +290,7 @@ async def _generate(runner: AsyncEngine, model_id: str, req: GenerateRequest, ki
             yield sse(as_api_error(e).body())
             yield SSE_DONE
             return
+        usage.record(tenant_of(http_request), outputs)
         if req.include_usage:
             yield writer.usage_chunk(outputs)
         yield SSE_DONE

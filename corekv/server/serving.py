@@ -24,11 +24,12 @@ LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
 def serve(config: Any, host: str = "127.0.0.1", port: int = 8000, *,
           served_model_name: str | None = None, drain_timeout: float = 30.0,
           log_level: str = "info", api_key: str | None = None,
-          max_request_bytes: int | None = None, plugin_manager: Any = None) -> None:
+          max_request_bytes: int | None = None, plugin_manager: Any = None,
+          api_keys: Any = None) -> None:
     """Serve one engine built from ``config`` (a :class:`corekv.Config`, a mapping or a YAML path)
     on ``host:port`` until SIGTERM or SIGINT, then shut down gracefully and return.
 
-    ``api_key`` and ``max_request_bytes`` (default: ``DEFAULT_MAX_REQUEST_BYTES``) are
+    ``api_key``, ``api_keys`` (a :class:`corekv.server.tenants.TenantKeys`) and ``max_request_bytes`` (default: ``DEFAULT_MAX_REQUEST_BYTES``) are
     :func:`corekv.server.app.build_app`'s; ``plugin_manager`` is the one ``config`` was checked
     against (see :meth:`corekv.Engine.from_config`). The port is bound before the model loads, so
     a taken port fails at once.
@@ -44,6 +45,8 @@ def serve(config: Any, host: str = "127.0.0.1", port: int = 8000, *,
 
     if api_key is not None:  # NOTE: before the model loads, like the other arguments
         check_api_key(api_key)
+    if api_key is not None and api_keys is not None:
+        raise ValueError("pass api_key or api_keys (per-tenant keys), not both")
     if max_request_bytes is None:
         max_request_bytes = DEFAULT_MAX_REQUEST_BYTES
     check_max_request_bytes(max_request_bytes)
@@ -57,7 +60,7 @@ def serve(config: Any, host: str = "127.0.0.1", port: int = 8000, *,
     app = None
     try:
         app = build_app(engine, served_model_name=served_model_name, close_engine=True,
-                        api_key=api_key, max_request_bytes=max_request_bytes)
+                        api_key=api_key, max_request_bytes=max_request_bytes, api_keys=api_keys)
         server = uvicorn.Server(uvicorn.Config(app, log_level=log_level,
                                                timeout_graceful_shutdown=drain_timeout))
         logging.getLogger("uvicorn.error").info("corekv serving %s on http://%s:%d",
