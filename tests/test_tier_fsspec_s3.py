@@ -188,3 +188,17 @@ def test_a_stalled_endpoint_costs_one_deadline_then_its_cool_down_skips_it(
     with pytest.raises(CoreKVError, match="did not answer within timeout=0.5 s"):
         FsspecAdmin(url="s3://bucket/kv", storage_options={"endpoint_url": endpoint}, timeout=0.5)
     assert time.monotonic() - started < 2.5
+
+
+def test_the_deadline_is_per_call_so_a_large_batch_on_a_healthy_store_completes(
+        s3_bucket, s3_endpoint):  # noqa: F811
+    keys = make_keys(64)
+    with open_tier(s3_bucket, s3_endpoint, timeout=0.5, concurrency=1) as tier:
+        tier.put(items(keys))
+        started = time.monotonic()
+        payloads = tier.get(keys)
+        elapsed = time.monotonic() - started
+        assert [bytes(p) for p in payloads] == [v for _, v in items(keys)]
+        assert tier.stats()["errors"] == 0
+    # NOTE: one call at a time: the batch as a whole outlasts one timeout, each call does not
+    assert elapsed > 0.5, f"64 sequential GETs took {elapsed:.2f} s: the test cannot tell the deadlines apart"

@@ -56,8 +56,8 @@ def _parse_object_path(root: str, path: str) -> tuple[str, BlockHash] | None:
 
 def _check_numbers(*, timeout: float, retry_interval: float, concurrency: int) -> None:
     if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0:
-        raise ConfigError(f"timeout must be a number of seconds > 0 (the deadline of a batch of "
-                          f"calls to the store), got {timeout!r}", path="timeout")
+        raise ConfigError(f"timeout must be a number of seconds > 0 (the deadline of every call "
+                          f"to the store), got {timeout!r}", path="timeout")
     if isinstance(retry_interval, bool) or not isinstance(retry_interval, (int, float)) or retry_interval < 0:
         raise ConfigError(f"retry_interval must be a number of seconds >= 0, got {retry_interval!r}",
                           path="retry_interval")
@@ -71,10 +71,10 @@ class FsspecTier(Tier):
     Invariants: an object at a block's path is a complete entry or absent: on a local disk it is
     written under a temporary name and renamed into place (atomic), and object stores make each
     PUT atomic; readers ignore temporary names. A batch is one call per object, run concurrently
-    (at most ``concurrency``) on a remote store, with no HEAD before a GET, and bounded by
-    ``timeout`` seconds as a whole: a store that fails or outlives it makes the batch's blocks
-    misses or skips, counts one ``errors`` and cools down for ``retry_interval`` seconds, during
-    which calls skip it without touching the network. Membership is always asked of the store,
+    (at most ``concurrency``) on a remote store, with no HEAD before a GET, each call bounded by
+    ``timeout`` seconds: a store that fails or outlives it makes the batch's blocks misses or
+    skips, counts one ``errors`` and cools down for ``retry_interval`` seconds, during which calls
+    skip it without touching the network. Membership is always asked of the store,
     never of a cached listing, so every machine sees the blocks the others wrote. With
     ``size`` > 0, the objects known to this process (listed at open, sorted by mtime, then in this
     process's access order) are evicted oldest first to stay under ``size``: best effort, as other
@@ -336,8 +336,8 @@ def corekv_register_tiers() -> list[TierSpec]:
                                       "client_kwargs: {region_name: ...}); never credentials: "
                                       "those come from the environment or a profile"),
             "timeout": Option("float", default=5.0, minimum=0.001,
-                              help="seconds a batch of calls to the store may take; past it its "
-                              "blocks are misses and the store cools down"),
+                              help="seconds a call to the store may take (connect, read, retries); "
+                              "past it the batch's blocks are misses and the store cools down"),
             "retry_interval": Option("float", default=5.0, minimum=0,
                                      help="seconds to treat a failed store as down before retrying"),
             "concurrency": Option("int", default=16, minimum=1,

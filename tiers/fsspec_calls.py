@@ -9,9 +9,11 @@ retry, so no single call hangs for minutes.
 
 Calling (:class:`Calls`): an object store is asked per object, so a batch of blocks is a batch of
 calls; on an async filesystem (s3fs, gcsfs, http) they run concurrently, at most ``concurrency``
-at a time, and whatever has not answered ``timeout`` seconds after the batch started is
-cancelled and answered with :class:`CallTimedOut`. A local filesystem is called in turn (a disk
-has no reason to stall, and its calls cannot be cancelled).
+at a time, and a call that has not answered ``timeout`` seconds after it was sent is cancelled
+and answered with :class:`CallTimedOut`, as is every call of its batch not sent yet: a stalled
+store costs a batch one ``timeout``, and a large batch on a healthy store is not cut short. A
+local filesystem is called in turn (a disk has no reason to stall, and its calls cannot be
+cancelled).
 """
 from __future__ import annotations
 
@@ -97,8 +99,8 @@ class Calls:
 
     Invariants: :meth:`each` returns one outcome per argument tuple, in order: the method's result
     or the exception it raised (``FileNotFoundError`` for an absent object, :class:`CallTimedOut`
-    past the deadline); it never raises for a call's failure and never waits much past
-    ``timeout`` on an async filesystem.
+    past the deadline); it never raises for a call's failure; on an async filesystem a store that
+    stops answering costs it about one ``timeout``.
     """
 
     def __init__(self, fs, *, timeout: float, concurrency: int):
@@ -113,8 +115,11 @@ class Calls:
             return []
         if self.is_async:
             try:
+                # NOTE: the loop's own bound, for a loop that does not come back at all: the
+                # calls' deadlines end a batch after ceil(calls / concurrency) timeouts at most
+                waves = -(-len(arg_tuples) // self.concurrency)
                 return fsspec.asyn.sync(self.fs.loop, self._gather, method, list(arg_tuples), kwargs,
-                                        timeout=self.timeout + 5)
+                                        timeout=waves * self.timeout + 5)
             except fsspec.asyn.FSTimeoutError:  # the loop itself did not come back: all late
                 return [CallTimedOut(f"{method} did not answer in {self.timeout} s")] * len(arg_tuples)
         outcomes = []
@@ -126,33 +131,19 @@ class Calls:
                 outcomes.append(e)
         return outcomes
 
-    def one(self, method: str, *args, **kwargs) -> Any:
-        """:meth:`each` for a single call: its result, or the exception it raised (re-raised)."""
-        outcome = self.each(method, [args], **kwargs)[0]
-        if isinstance(outcome, BaseException):
-            raise outcome
-        return outcome
-
     async def _gather(self, method: str, arg_tuples: list[tuple], kwargs: dict) -> list[Any]:
         limit = asyncio.Semaphore(self.concurrency)
         call = getattr(self.fs, f"_{method}")
+        stalled = asyncio.Event()
 
         async def limited(args):
             async with limit:
-                return await call(*args, **kwargs)
+                if stalled.is_set():  # NOTE: the store stopped answering: do not queue more calls
+                    raise CallTimedOut(f"{method} not sent: an earlier call of its batch timed out")
+                try:
+                    return await asyncio.wait_for(call(*args, **kwargs), self.timeout)
+                except asyncio.TimeoutError:
+                    stalled.set()
+                    raise CallTimedOut(f"{method} did not answer in {self.timeout} s") from None
 
-        tasks = [asyncio.ensure_future(limited(args)) for args in arg_tuples]
-        _, late = await asyncio.wait(tasks, timeout=self.timeout)
-        for task in late:
-            task.cancel()
-        if late:
-            await asyncio.wait(late, timeout=1.0)  # let the cancelled calls close their sockets
-        outcomes = []
-        for task in tasks:
-            if task in late:
-                outcomes.append(CallTimedOut(f"{method} did not answer in {self.timeout} s"))
-            elif task.exception() is not None:
-                outcomes.append(task.exception())
-            else:
-                outcomes.append(task.result())
-        return outcomes
+        return await asyncio.gather(*(limited(args) for args in arg_tuples), return_exceptions=True)
