@@ -22,6 +22,8 @@ from corekv.router.workers import EventEndpoints
 DEFAULT_PORT = 8080
 #: where --worker-api-key is read from when the flag is not given
 WORKER_API_KEY_ENV = "COREKV_WORKER_API_KEY"
+#: where --admin-key is read from when the flag is not given
+ADMIN_KEY_ENV = "COREKV_ROUTER_ADMIN_KEY"
 #: --worker-events' shape, and the options after its endpoint
 WORKER_EVENTS_FORM = "URL=ENDPOINT[,replay=ENDPOINT][,topic=TOPIC]"
 WORKER_EVENTS_OPTIONS = ("replay", "topic")
@@ -94,6 +96,9 @@ def add_route_command(commands, common) -> None:
                         f"every request to them, health checks included; the clients' key is "
                         f"never forwarded. Default: ${WORKER_API_KEY_ENV}, else none. Prefer the "
                         f"variables: flags show in ps")
+    p.add_argument("--admin-key", metavar="KEY",
+                   help=f"require this key (not --api-key's) for GET /workers, which shows every "
+                        f"worker's traffic; default: ${ADMIN_KEY_ENV}, else --api-key guards it")
     p.add_argument("--max-request-bytes", metavar="SIZE", type=size_arg,
                    default=DEFAULT_MAX_REQUEST_SIZE,
                    help=f"larger request bodies are answered 413 before they are read "
@@ -116,6 +121,7 @@ def cmd_route(args: argparse.Namespace) -> int:
     worker_events = _worker_events(args.worker_events, urls)
     api_key = api_key_arg(args.api_key, "--api-key", API_KEY_ENV)
     worker_api_key = api_key_arg(args.worker_api_key, "--worker-api-key", WORKER_API_KEY_ENV)
+    admin_key = api_key_arg(args.admin_key, "--admin-key", ADMIN_KEY_ENV)
     cfg, plugin_manager = read_config_arg(args)
     tokenizer = load_tokenizer(cfg.model, plugin_manager=plugin_manager)
     policy = make_policy(args.policy, CacheAwareConfig(
@@ -126,7 +132,7 @@ def cmd_route(args: argparse.Namespace) -> int:
                       worker_events=worker_events)
     app = build_app(pool, policy, tokenizer, max_retries=args.max_retries,
                     request_timeout_s=args.request_timeout, api_key=api_key,
-                    max_request_bytes=args.max_request_bytes)
+                    max_request_bytes=args.max_request_bytes, admin_key=admin_key)
     print(f"corekv route: http://{args.host}:{args.port} -> {len(urls)} workers "
           f"({args.policy}, model {cfg.model})", file=sys.stderr, flush=True)
     uvicorn.run(app, host=args.host, port=args.port, log_level="warning")

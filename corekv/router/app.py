@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hmac
 import json
 import logging
 from collections.abc import AsyncIterator, Hashable
@@ -37,7 +38,7 @@ from starlette.routing import Route
 from corekv.router.policy import CacheAwarePolicy, RoundRobinPolicy
 from corekv.router.health import WorkerPool
 from corekv.router.workers import Worker
-from corekv.server.auth import APIKeyGuard, check_api_key
+from corekv.server.auth import OPEN_PATHS, APIKeyGuard, check_api_key
 from corekv.engine.requests import num_prompt_chars
 from corekv.server.limits import DEFAULT_MAX_REQUEST_BYTES, BodyLimit, check_max_request_bytes
 from corekv.server.protocol import APIError, parse_json
@@ -55,17 +56,24 @@ _CLIENT_ONLY_HEADERS = frozenset({"authorization"})
 
 def build_app(pool: WorkerPool, policy: CacheAwarePolicy | RoundRobinPolicy, tokenizer: Any, *,
               max_retries: int = 2, request_timeout_s: float = 600.0, api_key: str | None = None,
-              max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES) -> Starlette:
+              max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES, admin_key: str | None = None
+              ) -> Starlette:
     """The router app; its lifespan starts the health checks and the forwarding client.
 
     :param api_key: when set, clients need ``Authorization: Bearer <api_key>`` on every path but
         ``/health``.
     :param max_request_bytes: larger request bodies are answered 413 before they are read.
+    :param admin_key: when set, ``GET /workers`` (each worker's traffic and cache view) needs
+        ``Authorization: Bearer <admin_key>`` instead of ``api_key``: clients' keys do not show
+        how much the other clients send.
     """
     middleware = [Middleware(BodyLimit, max_bytes=check_max_request_bytes(max_request_bytes))]
     if api_key is not None:  # NOTE: outermost: a client without the key is refused first
-        middleware.insert(0, Middleware(APIKeyGuard, api_key=check_api_key(api_key)))
-    router = _Router(pool, policy, tokenizer, max_retries, request_timeout_s)
+        open_paths = OPEN_PATHS | ({"/workers"} if admin_key is not None else set())
+        middleware.insert(0, Middleware(APIKeyGuard, api_key=check_api_key(api_key),
+                                        open_paths=frozenset(open_paths)))
+    router = _Router(pool, policy, tokenizer, max_retries, request_timeout_s,
+                     None if admin_key is None else check_api_key(admin_key, "admin_key"))
 
     @asynccontextmanager
     async def lifespan(app):
@@ -90,8 +98,10 @@ def build_app(pool: WorkerPool, policy: CacheAwarePolicy | RoundRobinPolicy, tok
 
 
 class _Router:
-    def __init__(self, pool, policy, tokenizer, max_retries: int, request_timeout_s: float):
+    def __init__(self, pool, policy, tokenizer, max_retries: int, request_timeout_s: float,
+                 admin_key: str | None = None):
         self.pool, self.policy, self.tokenizer = pool, policy, tokenizer
+        self.admin_key = admin_key
         self.max_retries, self.request_timeout_s = max_retries, request_timeout_s
         self.client: httpx.AsyncClient | None = None
 
@@ -111,6 +121,10 @@ class _Router:
         return JSONResponse(body, status_code=200 if num_healthy else 503)
 
     async def workers(self, request: Request) -> Response:
+        if self.admin_key is not None and not _has_key(request, self.admin_key):
+            error = APIError("GET /workers needs the router's admin key: send 'Authorization: Bearer "
+                             "<admin key>' (--admin-key)", status=401, code="invalid_api_key")
+            return JSONResponse(error.body(), status_code=401, headers={"WWW-Authenticate": "Bearer"})
         return JSONResponse({"policy": self.policy.name,
                              "workers": [w.state() for w in self.pool.workers]})
 
@@ -296,3 +310,8 @@ def prompt_token_ids(tokenizer: Any, payload: Any, *, chat: bool,
     except Exception as e:  # NOTE: a bad body or any tokenizer failure: the worker says why
         logger.debug("prompt not tokenized (%s); routing by load", e)
         return [], salt
+
+
+def _has_key(request: Request, key: str) -> bool:
+    scheme, _, token = request.headers.get("authorization", "").strip().partition(" ")
+    return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), key.encode())

@@ -65,13 +65,14 @@ def make_router(tokenizer):
 
     def make(urls, policy="cache_aware", *, use_events=False, max_retries=2,
              health_interval_s=0.2, api_key=None, worker_api_key=None, max_request_bytes=None,
-             **thresholds):
+             admin_key=None, **thresholds):
         pool = WorkerPool(urls, block_size=BLOCK_SIZE, max_tree_blocks=4096,
                           health_interval_s=health_interval_s, use_events=use_events,
                           worker_api_key=worker_api_key)
         limit = {} if max_request_bytes is None else {"max_request_bytes": max_request_bytes}
         app = build_app(pool, make_policy(policy, CacheAwareConfig(**thresholds)), tokenizer,
-                        max_retries=max_retries, request_timeout_s=120, api_key=api_key, **limit)
+                        max_retries=max_retries, request_timeout_s=120, api_key=api_key,
+                        admin_key=admin_key, **limit)
         router = RouterThread(app, free_port()).__enter__()
         started.append(router)
         return router

@@ -117,3 +117,16 @@ def test_a_prompt_longer_than_any_worker_takes_is_not_tokenized(tokenizer):
     chat = {"messages": [{"role": "user", "content": "abc"}]}
     assert prompt_token_ids(tokenizer, chat, chat=True, max_prompt_chars=2) == ([], None)
     assert prompt_token_ids(tokenizer, chat, chat=True, max_prompt_chars=3)[0] != []
+
+
+def test_with_an_admin_key_only_it_reads_the_workers_traffic(make_router):
+    """``/workers`` shows each worker's requests: a client's key must not show what the other
+    clients send (issue 37)."""
+    admin = "router-admin-key-9Xq"
+    router = make_router(["http://127.0.0.1:9"], api_key=CLIENT_KEY, admin_key=admin)
+    for key, status in ((None, 401), (CLIENT_KEY, 401), (admin + "x", 401), (admin, 200)):
+        response = httpx.get(router.url + "/workers", headers=bearer(key) if key else {}, timeout=30)
+        assert response.status_code == status, (key, response.text)
+    assert "workers" in response.json()
+    # the admin key opens /workers only; the API still needs the clients' key
+    assert httpx.get(router.url + "/v1/models", headers=bearer(admin), timeout=30).status_code == 401
