@@ -8,14 +8,9 @@ opened and called (``storage_options``, concurrency, the deadline) is
 """
 from __future__ import annotations
 
-import contextlib
 import errno
 import logging
-import os
 import re
-import stat
-import time
-import uuid
 from collections import OrderedDict
 from collections.abc import Iterator, Sequence
 from typing import Any
@@ -28,12 +23,10 @@ from corekv.tier import BlockHash, Tier
 from corekv.tier_admin import StoreAdmin, StoredEntry
 from corekv.tier_faults import Cooldowns
 from corekv.tiers.fsspec_calls import Calls, open_filesystem
+from corekv.tiers.local_objects import TMP_MARK as _TMP_MARK
+from corekv.tiers.local_objects import read_regular_file, sweep_temporary, write_aside
 
 logger = logging.getLogger(__name__)
-_TMP_MARK = ".tmp-"
-#: a temporary object this old is a failed write's leftover, not one in progress (swept by
-#: `corekv store clear` and `verify`)
-TMP_MAX_AGE_S = 600
 #: the largest object `corekv store` reads as an entry (the tier itself reads at most its entry size)
 MAX_ENTRY_BYTES = 1024**3
 _OBJECT_PATH = re.compile(r"([0-9a-f]{12})/([0-9a-f]{2})/((?:[0-9a-f]{2})+)")
@@ -127,11 +120,15 @@ class FsspecTier(Tier):
     # ---------------------------------------------------------------- primitives
     def _read_entries(self, keys: list[BlockHash]) -> list[bytes | None]:
         paths = [self._path(key) for key in keys]
-        # NOTE: start=0 makes s3fs send one ranged GET; without a range it first asks the
-        # object's size (a HEAD) to decide whether to split the download.
-        outcomes = self._each("read", "cat_file", [(path,) for path in paths], start=0, end=None,
-                              is_empty_ok=True)
-        entries = [outcome if isinstance(outcome, bytes) else None for outcome in outcomes]
+        if self._is_local:
+            entries = [self._read_local(path) for path in paths]
+        else:
+            # NOTE: start=0 makes s3fs send one ranged GET; without a range it first asks the
+            # object's size (a HEAD) to decide whether to split the download. The range ends one
+            # byte past an entry: a larger object is cut (then a miss), never fetched whole.
+            outcomes = self._each("read", "cat_file", [(path,) for path in paths], start=0,
+                                  end=self.codec.entry_bytes + 1, is_empty_ok=True)
+            entries = [outcome if isinstance(outcome, bytes) else None for outcome in outcomes]
         for path, entry in zip(paths, entries):
             if entry is not None and path in self._path_to_bytes:
                 self._path_to_bytes.move_to_end(path)
@@ -214,17 +211,26 @@ class FsspecTier(Tier):
         return outcomes
 
     def _call_local(self, path: str, parts) -> BaseException | None:
-        # NOTE: a reader (or a crash) must never see half an entry: write aside, then rename.
+        # NOTE: a reader (or a crash) must never see half an entry: write aside, then rename;
+        # a failed write (a full disk) removes its temporary object (local_objects.write_aside)
         try:
-            self.fs.makedirs(path.rsplit("/", 1)[0], exist_ok=True)
-            tmp = f"{path}{_TMP_MARK}{uuid.uuid4().hex}"
-            with self.fs.open(tmp, "wb") as f:
-                for part in parts:
-                    f.write(part)
-            self.fs.mv(tmp, path)
+            write_aside(path, parts)
         except Exception as e:  # noqa: BLE001 - a failed write is an outcome (a skip)
             return e
         return None
+
+    def _read_local(self, path: str) -> bytes | None:
+        """A local entry, or None: absent, or not a regular file of at most an entry's size (a
+        FIFO, a symlink, a huge file: counted, never read; local_objects.read_regular_file)."""
+        try:
+            return read_regular_file(path, self.codec.entry_bytes)
+        except FileNotFoundError:
+            return None
+        except OSError as e:
+            self._stats["errors"] += 1
+            logger.warning("tier %s: %s is not a block entry (%s); treated as a miss", self.name,
+                           path, describe_exception(e))
+            return None
 
     def _make_room(self, entry_bytes: int, path_to_planned: dict) -> bool:
         """Evict the oldest objects until ``entry_bytes`` more fit (one planned by this batch
@@ -275,7 +281,11 @@ class FsspecAdmin(StoreAdmin):
                  if (parsed := _parse_object_path(self.root, self.fs._strip_protocol(path))) is not None]
         for start in range(0, len(found), _ADMIN_BATCH):
             batch = found[start:start + _ADMIN_BATCH]
-            outcomes = self._calls.each("cat_file", [(path,) for path, _ in batch], start=0, end=None)
+            if isinstance(self.fs, LocalFileSystem):
+                outcomes = [_read_listed(path) for path, _ in batch]
+            else:
+                outcomes = self._calls.each("cat_file", [(path,) for path, _ in batch], start=0,
+                                            end=MAX_ENTRY_BYTES + 1)
             for (path, (model, key)), outcome in zip(batch, outcomes):
                 if isinstance(outcome, FileNotFoundError):
                     continue  # deleted (evicted) since the listing
@@ -290,6 +300,10 @@ class FsspecAdmin(StoreAdmin):
 
     def capacity_bytes(self) -> int | None:
         return self.size or None
+
+    def sweep(self) -> int:
+        """Temporary objects of failed local writes (object stores PUT each object whole)."""
+        return sweep_temporary(self.root) if isinstance(self.fs, LocalFileSystem) else 0
 
     def _find(self) -> list[str]:
         found = self._calls.each("find", [(self.root,)])[0]
@@ -310,6 +324,18 @@ class FsspecAdmin(StoreAdmin):
         else:
             fix = "check the url, the storage_options and that the store is reachable"
         raise CoreKVError(f"{self.url}: {what} failed ({text}); {fix}") from outcome
+
+
+def _read_listed(path: str) -> bytes | FileNotFoundError:
+    """A listed local object for ``corekv store``: its bytes; ``b""`` (a bad entry to verify,
+    removed by --delete-bad) for what is not a regular file of at most MAX_ENTRY_BYTES."""
+    try:
+        return read_regular_file(path, MAX_ENTRY_BYTES)
+    except FileNotFoundError as e:
+        return e
+    except OSError as e:
+        logger.warning("%s is not a block entry (%s); listed as empty", path, describe_exception(e))
+        return b""
 
 
 def _is_unsatisfiable_range(outcome) -> bool:
