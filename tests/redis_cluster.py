@@ -29,7 +29,8 @@ NODE_TIMEOUT_MS = 1500
 class RedisCluster:
     """Six cluster-mode redis-servers without persistence; ``nodes[i]`` is ``(port, process)``."""
 
-    def __init__(self, workdir, *extra_args: str, node_timeout_ms: int = NODE_TIMEOUT_MS):
+    def __init__(self, workdir, *extra_args: str, node_timeout_ms: int = NODE_TIMEOUT_MS,
+                 password: str | None = None):
         self.binary = require_redis_server()
         self.cli = shutil.which("redis-cli")
         if self.cli is None:
@@ -37,6 +38,9 @@ class RedisCluster:
             pytest.fail(f"{message} but CI is set") if os.environ.get("CI") else pytest.skip(message)
         self.workdir = workdir
         self.extra_args = list(extra_args)
+        self.password = password
+        if password:  # every node requires it, replicas use it to reach their primary
+            self.extra_args += ["--requirepass", password, "--masterauth", password]
         self.node_timeout_ms = node_timeout_ms
         self.ports = [free_port() for _ in range(6)]
         self.bus_ports = [free_port() for _ in range(6)]
@@ -45,12 +49,14 @@ class RedisCluster:
     @property
     def url(self) -> str:
         """The URL of one node (the tier discovers the others from it)."""
-        return f"redis://127.0.0.1:{self.ports[0]}/0"
+        auth = f":{self.password}@" if self.password else ""
+        return f"redis://{auth}127.0.0.1:{self.ports[0]}/0"
 
     def start(self) -> RedisCluster:
         for port in self.ports:
             self._start_node(port)
-        subprocess.run([self.cli, "--cluster", "create", *(f"127.0.0.1:{p}" for p in self.ports),
+        auth = ["-a", self.password, "--no-auth-warning"] if self.password else []
+        subprocess.run([self.cli, *auth, "--cluster", "create", *(f"127.0.0.1:{p}" for p in self.ports),
                         "--cluster-replicas", "1", "--cluster-yes"],
                        check=True, capture_output=True, timeout=60)
         self.wait_ok()
@@ -76,7 +82,7 @@ class RedisCluster:
                       and len(line.split()) > 8)
 
     def client(self, port: int) -> redis.Redis:
-        return redis.Redis(host="127.0.0.1", port=port, socket_timeout=2)
+        return redis.Redis(host="127.0.0.1", port=port, password=self.password, socket_timeout=2)
 
     def is_running(self, port: int) -> bool:
         process = self.processes.get(port)

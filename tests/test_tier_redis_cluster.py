@@ -226,3 +226,19 @@ def test_a_tier_opened_while_the_cluster_is_down_starts_and_connects_later(tmp_p
             assert bytes(tier.get_one(key)) == block_payload(key, BLOCK)
         finally:
             cluster.stop()
+
+
+def test_a_password_protected_cluster_and_a_wrong_password(tmp_path):
+    cluster = RedisCluster(tmp_path, password="s3cret").start()
+    try:
+        keys = make_keys(12)
+        with open_tier(cluster) as tier:
+            assert tier.put(items(keys)) == 12 and tier.exists(keys) == 12
+        wrong = cluster.url.replace("s3cret", "wrong")
+        with pytest.raises(ConfigError, match="refused the credentials") as caught:
+            RedisTier(url=wrong, cluster=True, block_bytes=BLOCK, fingerprint=FINGERPRINT)
+        assert "s3cret" not in str(caught.value) and "wrong" not in str(caught.value)
+        with pytest.raises(CoreKVError, match="refused the credentials"):
+            RedisAdmin(url=wrong, cluster=True)
+    finally:
+        cluster.stop()

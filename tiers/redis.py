@@ -172,6 +172,8 @@ class RedisTier(Tier):
         """Open the nodes (a cluster: read its slot map); False while no node answers."""
         try:
             nodes = open_nodes(self.url, is_cluster=self.is_cluster, socket_timeout=self.socket_timeout)
+        except self._redis.AuthenticationError as e:
+            raise self._refused(e) from e
         except self._errors as e:
             self._cooldowns.failed(self.url_for_logs, "connect", e)
             return False
@@ -180,8 +182,7 @@ class RedisTier(Tier):
                 nodes.check_not_a_cluster()
         except self._redis.AuthenticationError as e:
             nodes.close()
-            raise ConfigError(f"redis at {self.url_for_logs} refused the credentials ({e}); fix the "
-                              "password in the url (redis://:PASSWORD@host:port/db)", path="url") from e
+            raise self._refused(e) from e
         except ConfigError:
             nodes.close()
             raise
@@ -198,6 +199,10 @@ class RedisTier(Tier):
         self._cooldowns.succeeded(self.url_for_logs)
         self._nodes = nodes
         return True
+
+    def _refused(self, error: Exception) -> ConfigError:
+        return ConfigError(f"redis at {self.url_for_logs} refused the credentials ({error}); fix the "
+                           "password in the url (redis://:PASSWORD@host:port/db)", path="url")
 
     def _per_node(self, what: str, keys: list[BlockHash], command) -> dict[int, object]:
         """``{key index: reply}``: ``command(pipeline, redis_key)`` for every key, one pipeline per
@@ -342,6 +347,8 @@ class RedisAdmin(StoreAdmin):
         self.url_for_logs, self._is_cluster = without_password(url), cluster
         try:
             self._nodes = open_nodes(url, is_cluster=cluster, socket_timeout=socket_timeout)
+        except self._redis.AuthenticationError as e:
+            raise self._error("refused the credentials", e, "fix the password in the url") from e
         except (self._redis.RedisError, OSError) as e:
             raise self._error("cannot be reached", e, "start it, or fix the url") from e
         try:

@@ -111,6 +111,7 @@ class ClusterNodes(RedisNodes):
 
     :raises ConfigError: the URL is not a Redis URL, names a database other than 0, or the node
         is not in cluster mode.
+    :raises redis.AuthenticationError: the nodes refused the URL's credentials.
     :raises redis.RedisError, OSError: no node can be reached now (the tier retries later).
     """
 
@@ -136,6 +137,8 @@ class ClusterNodes(RedisNodes):
             self.client = RedisCluster.from_url(url, require_full_coverage=False,
                                                 **client_options(socket_timeout))
         except redis.exceptions.RedisClusterException as e:
+            if isinstance(e.__cause__, redis.AuthenticationError):
+                raise e.__cause__ from e
             if "not enabled" in str(e):
                 raise ConfigError(f"redis at {self.seed} is not in cluster mode; remove `cluster: true` "
                                   "from the tier, or point the url at a cluster node", path="cluster") from e
