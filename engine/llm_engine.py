@@ -12,6 +12,7 @@ its whole surface reads in one place; the parts it ties together each live in th
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import itertools
 import logging
@@ -543,7 +544,15 @@ class Engine:
             del self._requests[seq.request_id]
             output = make_output(request)
             if not request.is_internal:
-                hook.corekv_on_request_finished(output=output)
+                try:
+                    hook.corekv_on_request_finished(output=output)
+                except Exception as exc:
+                    # NOTE: a plugin failing on one request's output fails that request alone;
+                    # raising here would lose the outputs of every other request of the step
+                    logger.exception("a corekv_on_request_finished hook failed for request %s",
+                                     output.request_id)
+                    output = dataclasses.replace(output, error=f"a plugin failed on this request's "
+                                                 f"output: {describe_exception(exc)}")
                 outputs.append(output)
         return outputs
 

@@ -87,3 +87,24 @@ def test_generate_returns_the_failed_request_beside_the_others(tiny_llama, alone
         outs = engine.generate([PROMPTS[0], "poisoned"], [INNOCENT[0][1], poisoned(temperature=math.nan)])
     assert outs[0].token_ids == alone[0] and outs[0].error is None
     assert outs[1].finish_reason == "abort" and outs[1].error
+
+
+class ExplodesOnPoison:
+    """A real plugin whose finish hook fails for one request's output."""
+
+    from corekv.plugin import hookimpl
+
+    @hookimpl
+    def corekv_on_request_finished(self, output) -> None:
+        if "poisoned" in str(output.prompt):
+            raise RuntimeError("plugin exploded")
+
+
+def test_a_plugin_failing_on_one_requests_output_fails_that_request_alone(tiny_llama, alone):
+    cfg = Config(model="tiny", engine=EngineConfig(num_blocks=64, block_size=16, max_num_batched_tokens=256),
+                 cache=CacheConfig(backend="radix"))
+    with Engine(cfg, model=tiny_llama, plugins=(ExplodesOnPoison(),)) as engine:
+        same = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+        outs = engine.generate([PROMPTS[0], "the poisoned prompt"], [INNOCENT[0][1], same])
+    assert outs[0].token_ids == alone[0] and outs[0].error is None
+    assert "plugin exploded" in outs[1].error and len(outs[1].token_ids) == 10
