@@ -37,10 +37,11 @@ def tiny_model_folder(tmp_path_factory):
 
 @pytest.fixture(scope="session", autouse=True)
 def _remove_shm_test_stores():
-    """shm tier stores the tests made in /dev/shm (memory the machine keeps until removed)."""
+    """shm tier stores this session's tests made in /dev/shm (memory the machine keeps until
+    removed); only this session's, since another session may be using its own right now."""
     yield
     import glob
     import shutil
 
-    for path in glob.glob("/dev/shm/corekv-test-*"):
+    for path in glob.glob(f"/dev/shm/corekv-test-{os.getpid()}-*"):
         shutil.rmtree(path, ignore_errors=True)

@@ -1,6 +1,7 @@
 """Shared pieces of the engine-level tier tests: configs per tier kind, engines, a logits probe."""
 from __future__ import annotations
 
+import os
 import uuid
 
 from corekv.config import CacheConfig, Config, EngineConfig, TierConfig
@@ -14,8 +15,9 @@ PROMPT = "a shared system prompt about caches, tiers and blocks; then the questi
 #: each takes 5 blocks: four of them push PROMPT's blocks out of a 12-block pool
 FILLERS = [f"filler {i}: unrelated text that pushes the first prompt out of the pool {i}" for i in range(4)]
 KINDS = ("host", "lmdb", "shm", "fsspec-file", "fsspec-memory", "redis")
-#: shm stores live in /dev/shm; the session fixture in tests/conftest.py removes these at the end
-SHM_TEST_PREFIX = "/dev/shm/corekv-test-"
+#: shm stores live in /dev/shm; the session fixture in tests/conftest.py removes this session's
+#: (named by its process id: a session never removes another's stores that are in use)
+SHM_TEST_PREFIX = f"/dev/shm/corekv-test-{os.getpid()}-"
 
 
 def tier_config(kind: str, tmp_path, redis_url: str | None = None, **options) -> TierConfig:
