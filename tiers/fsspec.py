@@ -198,6 +198,8 @@ class FsspecTier(Tier):
             return [ConnectionError(f"{self.url} is cooling down")] * len(arg_tuples)
         if method == "local":
             outcomes = [self._call_local(*args) for args in arg_tuples]
+        elif method == "listing":
+            outcomes = [self._calls.listing(*args, **kwargs) for args in arg_tuples]
         else:
             outcomes = self._calls.each(method, arg_tuples, **kwargs)
         if is_empty_ok:
@@ -254,7 +256,7 @@ class FsspecTier(Tier):
             self._used += info["size"]
 
     def _list(self, prefix: str) -> dict[str, dict]:
-        found = self._each("list", "find", [(prefix,)], detail=True)[0]
+        found = self._each("list", "listing", [(prefix,)], detail=True)[0]
         if isinstance(found, BaseException):
             return {}
         return {self.fs._strip_protocol(path): info for path, info in found.items()
@@ -306,7 +308,7 @@ class FsspecAdmin(StoreAdmin):
         return sweep_temporary(self.root) if isinstance(self.fs, LocalFileSystem) else 0
 
     def _find(self) -> list[str]:
-        found = self._calls.each("find", [(self.root,)])[0]
+        found = self._calls.listing(self.root)
         if isinstance(found, FileNotFoundError):
             return []
         self._check(found, "list")

@@ -69,6 +69,14 @@ def open_filesystem(url: str, storage_options: Mapping[str, Any] | None, *, time
         raise ConfigError(f"url {url!r} cannot be opened by fsspec ({e}); install the "
                           "filesystem's package (e.g. s3fs for s3://), fix the URL or the "
                           "storage_options", path="url") from e
+    if protocol in _S3_PROTOCOLS and isinstance(getattr(fs, "retries", None), int):
+        # NOTE: s3fs retries a timed-out request 5 times on its own, around botocore's attempts
+        # (it takes no option for it): one try of its own leaves botocore's two attempts.
+        fs.retries = 1
+    if protocol in _S3_PROTOCOLS and hasattr(fs, "connect"):
+        # NOTE: the client is built here, once (no request is sent): built inside the first
+        # call, it would spend that call's deadline importing botocore's service models.
+        fs.connect()
     return fs, root.rstrip("/")
 
 
@@ -130,6 +138,15 @@ class Calls:
             except Exception as e:  # noqa: BLE001 - a store's failure is an outcome, not a crash
                 outcomes.append(e)
         return outcomes
+
+    def listing(self, prefix: str, **kwargs) -> Any:
+        """``fs.find(prefix, **kwargs)``, or the exception it raised. NOTE: a listing is a request
+        per page (1000 objects on S3), so it has no deadline as a whole: each page is bounded by
+        the client's own timeouts and retries (:func:`open_filesystem` sets them for S3)."""
+        try:
+            return self.fs.find(prefix, **kwargs)
+        except Exception as e:  # noqa: BLE001 - a store's failure is an outcome, not a crash
+            return e
 
     async def _gather(self, method: str, arg_tuples: list[tuple], kwargs: dict) -> list[Any]:
         limit = asyncio.Semaphore(self.concurrency)
