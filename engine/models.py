@@ -151,7 +151,7 @@ def load_model(model: str, *, dtype: str = "float32", device: str = "auto", plug
     try:
         if path.is_file():
             path = gguf_cache.converted_folder(path) or path
-        with progress.phase(f"loading {path.name}"):
+        with progress.phase(f"loading {model}"):
             config, tokenizer, hf_model = _load_hf(path, torch_dtype)
     except CoreKVError:
         raise
