@@ -41,6 +41,12 @@ _MAX_SEED = 2**63 - 1
 MIN_TEMPERATURE = 1e-30
 MAX_TEMPERATURE = 100.0  # far past any useful value (OpenAI documents [0, 2]); flat sampling at 100
 MIN_REPETITION_PENALTY, MAX_REPETITION_PENALTY = 1e-2, 1e2
+# NOTE: stop strings and stop token ids are checked on every token, and logit_bias is applied on
+# every step: without a bound one request's 4,000 stop strings cost every step of every request
+# ~5 ms. OpenAI allows 4 stop strings; these bounds are generous beside it.
+MAX_STOP_STRINGS, MAX_STOP_CHARS = 16, 1024
+MAX_STOP_TOKEN_IDS = 256
+MAX_LOGIT_BIAS = 1024
 #: the most top log-probabilities a request may ask for per token (OpenAI's chat limit, vLLM's default)
 MAX_LOGPROBS = 20
 # NOTE: a top-p nucleus of a trained model is rarely more than a few dozen tokens; a wider one costs
@@ -219,6 +225,9 @@ class SamplingParams:
         if not isinstance(stop, (tuple, list)) or not all(isinstance(s, str) and s for s in stop):
             raise _fail("stop", stop, "a non-empty string or a list of non-empty strings",
                         "pass e.g. stop=['\\n\\n', 'User:'], or () for none")
+        if len(stop) > MAX_STOP_STRINGS or any(len(s) > MAX_STOP_CHARS for s in stop):
+            raise _fail("stop", _Quoted(stop), f"at most {MAX_STOP_STRINGS} strings of at most "
+                        f"{MAX_STOP_CHARS} characters", "send fewer or shorter stop strings")
         return tuple(stop)
 
     @staticmethod
@@ -231,6 +240,9 @@ class SamplingParams:
             pairs = [tuple(p) for p in bias]
         else:
             raise _fail("logit_bias", _Quoted(bias), "a mapping of token ids to biases", fix)
+        if len(pairs) > MAX_LOGIT_BIAS:
+            raise _fail("logit_bias", _Quoted(bias), f"a mapping of at most {MAX_LOGIT_BIAS} token ids",
+                        fix)
         # NOTE: an error quotes the offending entry, not a mapping that may hold thousands
         for token_id, value in pairs:
             if not _is_int(token_id) or token_id < 0:
@@ -248,6 +260,9 @@ class SamplingParams:
         if not isinstance(ids, (tuple, list)) or not all(_is_int(i) and i >= 0 for i in ids):
             raise _fail("stop_token_ids", ids, "a list of token ids (integers >= 0)",
                         "pass e.g. stop_token_ids=[2], or () for none")
+        if len(ids) > MAX_STOP_TOKEN_IDS:
+            raise _fail("stop_token_ids", _Quoted(ids), f"at most {MAX_STOP_TOKEN_IDS} token ids",
+                        "send fewer stop token ids")
         return tuple(ids)
 
 

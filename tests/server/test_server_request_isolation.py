@@ -30,6 +30,9 @@ POISON = [
     ("repetition_penalty", 10**400, {}), ("logit_bias", {"5": 10**20}, {}),
     ("logit_bias", {"9" * 40: 1}, {}), ("logprobs", 10**20, {}), ("stop_token_ids", [-(10**30)], {}),
     ("stop", [10**20], {}), ("ignore_eos", 10**20, {}),
+    # costs every step of every request pays: bounded (4,000 stop strings were ~5 ms a token)
+    ("stop", ["x"] * 17, {}), ("stop", ["x" * 1025], {}), ("stop_token_ids", list(range(257)), {}),
+    ("logit_bias", {str(i): 1 for i in range(1025)}, {}),
 ]
 
 
