@@ -13,11 +13,8 @@ map).
 from __future__ import annotations
 
 import logging
-import os
 import re
-import time
 from collections.abc import Iterator, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
 
 from corekv.errors import ConfigError, CoreKVError, describe_exception
 from corekv.plugin import Option, TierSpec, hookimpl
@@ -30,8 +27,6 @@ logger = logging.getLogger(__name__)
 _NAMESPACE = "corekv:"
 _REDIS_KEY = re.compile(re.escape(_NAMESPACE.encode()) + rb"([0-9a-f]{12}):((?:[0-9a-f]{2})+)")
 _GET_BATCH = 64  # keys per pipeline when listing a whole store (blocks are up to ~1 MB)
-#: seconds between two reads of a cluster's slot map while a node is down (to follow a failover)
-_REFRESH_INTERVAL_S = 1.0
 
 
 def _parse_redis_key(redis_key: bytes) -> tuple[str, BlockHash] | None:
@@ -87,11 +82,6 @@ class RedisTier(Tier):
         self._nodes: RedisNodes | None = None
         self._is_full_logged = False
         self._command_errors_logged: set[str] = set()
-        self._last_refresh = 0.0
-        self._refresh: Future | None = None
-        self._pool: ThreadPoolExecutor | None = None
-        self._pool_pid = 0
-        self._wants_refresh = False
         self._connect()
 
     # ---------------------------------------------------------------- usage (server-wide)
@@ -156,8 +146,6 @@ class RedisTier(Tier):
             self._value(outcome, "delete")
 
     def _close(self) -> None:
-        if self._pool is not None:
-            self._pool.shutdown(wait=False)
         if self._nodes is not None:
             self._nodes.close()
 
@@ -210,10 +198,14 @@ class RedisTier(Tier):
         node serves, are absent; a reply may be an exception (that command failed alone)."""
         if self._nodes is None and (self._cooldowns.is_down(self.url_for_logs) or not self._connect()):
             return {}
-        self._follow_topology()
+        primaries = self._nodes.follow_topology(self._cooldowns.any_down())
+        if primaries is not None:  # a new slot map: a node that serves nothing now is not down
+            for endpoint in self._cooldowns.down_endpoints():
+                if endpoint not in primaries:
+                    self._cooldowns.forget(endpoint)
         redis_keys = [self._key(key) for key in keys]
         groups, unrouted = self._nodes.group(redis_keys)
-        self._wants_refresh |= bool(unrouted)
+        self._nodes.wants_refresh |= bool(unrouted)
         groups = [group for group in groups if not self._cooldowns.is_down(group[0])]
 
         def run(group) -> list:
@@ -223,7 +215,7 @@ class RedisTier(Tier):
                 command(pipe, redis_keys[index])
             return pipe.execute(raise_on_error=False)
 
-        outcomes = self._run_on_nodes(run, groups)
+        outcomes = self._nodes.run_each(run, groups, self._errors)
         replies: dict[int, object] = {}
         for (node, _, indexes), outcome in zip(groups, outcomes):
             if isinstance(outcome, BaseException):
@@ -232,54 +224,6 @@ class RedisTier(Tier):
                 self._cooldowns.succeeded(node)
                 replies.update(zip(indexes, outcome))
         return replies
-
-    def _run_on_nodes(self, run, groups) -> list:
-        """``run(group)`` for each group (on the tier's threads when there are several); an
-        exception is returned in its place."""
-        def guarded(group):
-            try:
-                return run(group)
-            except self._errors as e:
-                return e
-
-        if len(groups) <= 1:
-            return [guarded(group) for group in groups]
-        return list(self._threads().map(guarded, groups))
-
-    def _threads(self) -> ThreadPoolExecutor:
-        if self._pool is None or self._pool_pid != os.getpid():  # NOTE: threads do not survive a fork
-            self._pool = ThreadPoolExecutor(8, thread_name_prefix=f"corekv-{self.name}")
-            self._pool_pid = os.getpid()
-        return self._pool
-
-    def _follow_topology(self) -> None:
-        """While a node is down or a slot moved, read a cluster's slot map again, at most once a
-        second and on a tier thread (off the request's path), so a failover's new primary takes
-        the dead one's keys; then forget the cool-downs of nodes that serve nothing now."""
-        if not self.is_cluster or self._nodes is None:
-            return
-        if self._refresh is not None:
-            if not self._refresh.done():
-                return
-            if self._refresh.result():
-                primaries = {name for name, _ in self._nodes.primaries()}
-                for endpoint in self._cooldowns.down_endpoints():
-                    if endpoint not in primaries:
-                        self._cooldowns.forget(endpoint)  # its slots moved to a node that answers
-            self._refresh = None
-        now = time.monotonic()
-        if not (self._wants_refresh or self._cooldowns.any_down()) or now - self._last_refresh < _REFRESH_INTERVAL_S:
-            return
-        self._wants_refresh, self._last_refresh = False, now
-        self._refresh = self._threads().submit(self._read_topology, self._nodes)
-
-    def _read_topology(self, nodes: RedisNodes) -> bool:
-        try:
-            nodes.refresh()
-            return True
-        except self._errors as e:
-            logger.debug("tier %s: reading the cluster's slot map failed: %s", self.name, e)
-            return False
 
     def _value(self, reply, what: str):
         """A command's reply, or ``None`` when that command failed (counted)."""
@@ -292,7 +236,7 @@ class RedisTier(Tier):
         """One command of a pipeline failed (a moved slot, a cluster that is down): a miss."""
         self._stats["errors"] += 1
         if isinstance(error, (self._redis.exceptions.AskError, self._redis.exceptions.ClusterDownError)):
-            self._wants_refresh = True
+            self._nodes.wants_refresh = True
         kind = type(error).__name__
         level = logging.DEBUG if kind in self._command_errors_logged else logging.WARNING
         self._command_errors_logged.add(kind)

@@ -13,11 +13,16 @@ redis-py is imported by the functions that connect, never at import time.
 from __future__ import annotations
 
 import logging
+import os
+import time
 from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 
 from corekv.errors import ConfigError
 
 logger = logging.getLogger(__name__)
+#: seconds between two reads of a cluster's slot map while a node is down (to follow a failover)
+REFRESH_INTERVAL_S = 1.0
 #: bytes per socket read. NOTE: a block is ~0.7 MB; with hiredis a 1 MiB read halves the recv
 #: calls of a batch and doubles get bandwidth on loopback (no effect without hiredis).
 SOCKET_READ_SIZE = 1 << 20
@@ -60,6 +65,40 @@ class RedisNodes:
     """
 
     seed: str  #: the node the URL names (``host:port``), for messages
+    #: set when a slot was found unserved or moved: the next :meth:`follow_topology` reads the map
+    wants_refresh = False
+    _pool: ThreadPoolExecutor | None = None
+    _pool_pid = 0
+
+    def run_each(self, run, groups: list, errors: tuple[type[BaseException], ...]) -> list:
+        """``run(group)`` for each group, concurrently on the nodes' threads when there are
+        several (one pipeline per node: the batch costs its slowest node, not their sum); an
+        exception of ``errors`` is returned in its group's place."""
+        def guarded(group):
+            try:
+                return run(group)
+            except errors as e:
+                return e
+
+        if len(groups) <= 1:
+            return [guarded(group) for group in groups]
+        return list(self._threads().map(guarded, groups))
+
+    def follow_topology(self, is_a_node_down: bool) -> set[str] | None:
+        """Read the topology again when it may have changed (a cluster's: see
+        :class:`ClusterNodes`); the primaries' names when a new map arrived since the last call,
+        else ``None``. A single server has nothing to follow."""
+        return None
+
+    def _threads(self) -> ThreadPoolExecutor:
+        if self._pool is None or self._pool_pid != os.getpid():  # NOTE: threads do not survive a fork
+            self._pool = ThreadPoolExecutor(8, thread_name_prefix="corekv-redis")
+            self._pool_pid = os.getpid()
+        return self._pool
+
+    def _shutdown_threads(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=False)
 
     def group(self, redis_keys: Sequence[str]) -> tuple[list[tuple[str, object, list[int]]], list[int]]:
         """``([(node name, client, key indexes)], unrouted indexes)`` for ``redis_keys``."""
@@ -103,6 +142,7 @@ class SingleServer(RedisNodes):
         return [(self.seed, self.client)]
 
     def close(self) -> None:
+        self._shutdown_threads()
         self.client.close()
 
 
@@ -120,6 +160,9 @@ class ClusterNodes(RedisNodes):
         from redis.cluster import RedisCluster
 
         self.url_for_logs = without_password(url)
+        self._redis = redis
+        self._refresh: Future | None = None
+        self._last_refresh = 0.0
         try:
             from redis.connection import parse_url
 
@@ -168,8 +211,34 @@ class ClusterNodes(RedisNodes):
     def refresh(self, failed_node: str | None = None) -> None:
         self.client.nodes_manager.initialize(last_failed_node_name=failed_node)
 
+    def follow_topology(self, is_a_node_down: bool) -> set[str] | None:
+        """While a node is down or a slot moved, read the slot map again, at most once a second
+        and on a node thread (off the request's path), so the replica that took over a dead
+        primary's slots gets its keys."""
+        primaries = None
+        if self._refresh is not None:
+            if not self._refresh.done():
+                return None
+            if self._refresh.result():
+                primaries = {name for name, _ in self.primaries()}
+            self._refresh = None
+        now = time.monotonic()
+        if (self.wants_refresh or is_a_node_down) and now - self._last_refresh >= REFRESH_INTERVAL_S:
+            self.wants_refresh, self._last_refresh = False, now
+            self._refresh = self._threads().submit(self._read_slot_map)
+        return primaries
+
     def close(self) -> None:
+        self._shutdown_threads()
         self.client.close()
+
+    def _read_slot_map(self) -> bool:
+        try:
+            self.refresh()
+            return True
+        except Exception as e:  # noqa: BLE001 - a failed read keeps the old map; never the caller's error
+            logger.debug("reading the slot map of the cluster at %s failed: %s", self.url_for_logs, e)
+            return False
 
 
 def open_nodes(url: str, *, is_cluster: bool, socket_timeout: float) -> RedisNodes:
