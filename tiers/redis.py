@@ -349,7 +349,10 @@ class RedisAdmin(StoreAdmin):
                 raise self._error("refused the credentials", e, "fix the password in the url") from e
             where = f"node {node} " if self._is_cluster else ""
             failure = "cannot be reached" if what == "ping" else f"failed ({what})"
-            fix = "start it, or fix the url" if what == "ping" else "check that the server is up"
+            if self._is_cluster:
+                fix = "start it, or wait until its replica has taken over its slots"
+            else:
+                fix = "start it, or fix the url" if what == "ping" else "check that the server is up"
             raise self._error(f"{where}{failure}", e, fix) from e
 
     def _error(self, what: str, error: BaseException, fix: str) -> CoreKVError:
