@@ -82,7 +82,7 @@ class RedisTier(Tier):
         self._nodes: RedisNodes | None = None
         self._is_full_logged = False
         self._command_errors_logged: set[str] = set()
-        self._connect()
+        self._connect(is_opening=True)
 
     # ---------------------------------------------------------------- usage (server-wide)
     @property
@@ -156,8 +156,19 @@ class RedisTier(Tier):
     def _scan(self, client) -> list[bytes]:
         return list(client.scan_iter(match=self._prefix + "*", count=1000))
 
-    def _connect(self) -> bool:
-        """Open the nodes (a cluster: read its slot map); False while no node answers."""
+    def _connect(self, is_opening: bool = False) -> bool:
+        """Open the nodes (a cluster: read its slot map); False while no node answers. Refused
+        credentials or a server of the wrong mode raise ConfigError when the tier opens; later
+        (the cluster was down at open) they are a failure like any other."""
+        try:
+            return self._open_nodes()
+        except ConfigError as e:
+            if is_opening:
+                raise
+            self._cooldowns.failed(self.url_for_logs, "connect", str(e))
+            return False
+
+    def _open_nodes(self) -> bool:
         try:
             nodes = open_nodes(self.url, is_cluster=self.is_cluster, socket_timeout=self.socket_timeout)
         except self._redis.AuthenticationError as e:
@@ -255,7 +266,7 @@ class RedisTier(Tier):
         """``fn(client)`` on every primary that answers and is not cooling down (for usage and
         listing; not on steps)."""
         with self._lock:
-            if self._nodes is None and not self._connect():
+            if self._nodes is None and (self._cooldowns.is_down(self.url_for_logs) or not self._connect()):
                 return []
             primaries = self._nodes.primaries()
         results = []
