@@ -12,8 +12,10 @@ OpenMP's threads otherwise spin for a while at the end of every parallel region,
 their siblings; on a CPU shared with another process (a second worker, a router, a test run) a
 spinning thread burns the time slice its descheduled sibling needs, and a request ran 20x slower
 (BENCHMARKS.md, "A shared CPU"). OpenMP reads the variable once, when its runtime starts (on
-``import torch``), so it is set on ``import corekv`` and by the CLI before torch loads; where torch
-was imported first the engine says so once and the threads keep their spin.
+``import torch``), so it is set on ``import corekv``, before torch loads, and taken out of the
+environment again when an engine starts (torch has read it by then), so processes started later
+inherit the user's environment, not corekv's choice. Where torch was imported first the engine
+logs so once and the threads keep their spin.
 """
 from __future__ import annotations
 
@@ -27,14 +29,17 @@ logger = logging.getLogger(__name__)
 _CGROUP_ROOT = Path("/sys/fs/cgroup")
 #: whether torch (so its OpenMP runtime) was loaded before prefer_passive_wait() set the policy
 _torch_was_first = False
+#: whether OMP_WAIT_POLICY in os.environ is corekv's, not the user's (apply_threads removes it)
+_is_policy_ours = False
 
 
 def prefer_passive_wait() -> None:
     """Set ``OMP_WAIT_POLICY=PASSIVE`` for an OpenMP runtime that has not started yet, unless the
     user set a policy or libgomp's ``GOMP_SPINCOUNT`` (see the module's docstring)."""
-    global _torch_was_first
+    global _torch_was_first, _is_policy_ours
     if "OMP_WAIT_POLICY" not in os.environ and "GOMP_SPINCOUNT" not in os.environ:
         _torch_was_first = "torch" in sys.modules
+        _is_policy_ours = True
         os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
 
 
@@ -56,6 +61,14 @@ def apply_threads(threads: int | None) -> int:
     the last engine started in a process sets it for all."""
     import torch
 
+    global _is_policy_ours
+    if _is_policy_ours:
+        # NOTE: torch is loaded, so its OpenMP has read the policy: take it out of the environment
+        # again, so processes the user starts from here (another engine's benchmark, a vLLM server)
+        # get the environment the user set, not corekv's choice for its own process.
+        _is_policy_ours = False
+        if os.environ.get("OMP_WAIT_POLICY") == "PASSIVE":
+            del os.environ["OMP_WAIT_POLICY"]
     if threads is None and not os.environ.get("OMP_NUM_THREADS"):
         threads = usable_cpus()
     if threads is not None and torch.get_num_threads() != threads:

@@ -78,9 +78,12 @@ def test_engine_threads_sets_torch_threads_and_unset_means_the_usable_cpus():
             "print('AUTO', e.num_threads == torch.get_num_threads() == usable_cpus())\n"
             "e = Engine(Config(model='tiny', engine=EngineConfig(num_blocks=16, cpu_kernels='torch', threads=1)),"
             " model=tiny)\n"
-            "print('ONE', e.num_threads, torch.get_num_threads())\n")
-    out = run_python(code)
+            "print('ONE', e.num_threads, torch.get_num_threads())\n"
+            "import os; print('ENV', os.environ.get('OMP_WAIT_POLICY'))\n")
+    out = run_python(code, **_SHOW_OPENMP)
     assert "AUTO True" in out.stdout and "ONE 1 1" in out.stdout, out.stdout + out.stderr[-2000:]
+    # the engine's process waits passively; the processes it starts get the user's environment
+    assert spin_count(out.stderr) == "0" and "ENV None" in out.stdout, out.stdout + out.stderr[-2000:]
 
 
 def test_engine_threads_is_validated():
