@@ -53,13 +53,18 @@ class RedisCluster:
         return f"redis://{auth}127.0.0.1:{self.ports[0]}/0"
 
     def start(self) -> RedisCluster:
-        for port in self.ports:
-            self._start_node(port)
-        auth = ["-a", self.password, "--no-auth-warning"] if self.password else []
-        subprocess.run([self.cli, *auth, "--cluster", "create", *(f"127.0.0.1:{p}" for p in self.ports),
-                        "--cluster-replicas", "1", "--cluster-yes"],
-                       check=True, capture_output=True, timeout=60)
-        self.wait_ok()
+        """Start the six nodes and join them; on any failure the nodes started are stopped."""
+        try:
+            for port in self.ports:
+                self._start_node(port)
+            auth = ["-a", self.password, "--no-auth-warning"] if self.password else []
+            subprocess.run([self.cli, *auth, "--cluster", "create", *(f"127.0.0.1:{p}" for p in self.ports),
+                            "--cluster-replicas", "1", "--cluster-yes"],
+                           check=True, capture_output=True, timeout=60)
+            self.wait_ok()
+        except BaseException:
+            self.stop()
+            raise
         return self
 
     def wait_ok(self, timeout_s: float = 30.0) -> None:
