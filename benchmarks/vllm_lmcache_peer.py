@@ -411,6 +411,10 @@ class LMCacheServer:
                     raise RuntimeError(f"lmcache server not up in {a.server_timeout} s:\n{self.log.read_text()[-4000:]}")
                 time.sleep(0.5)
 
+    def shm_bytes(self) -> dict[str, int]:
+        """Bytes of the server's shared-memory segments (its L1 lives there, outside its RSS)."""
+        return {str(p): _du(p) for p in Path("/dev/shm").glob(f"*{self.shm_name}*")}
+
     def close(self) -> dict:
         tree = proc_tree({self.proc.pid: "lmcache-server"})
         try:
@@ -481,8 +485,9 @@ class Driver:
             p1 = self.vllm(f"{column}-{tag}-p1", first, extra_env, **connector)
             p2 = self.vllm(f"{column}-{tag}-p2", second, extra_env, **connector)
         finally:
+            shm_bytes = server.shm_bytes() if server else None
             server_tree = server.close() if server else None
-        store_bytes = {p: _du(Path(p)) for p in cfgs["_meta"]["paths"]} if column.startswith("corekv") else None
+        store_bytes = {p: _du(Path(p)) for p in cfgs["_meta"]["paths"]} if column.startswith("corekv") else shm_bytes
         remove_paths(cfgs["_meta"]["paths"])
         return {"p1": p1, "p2": p2, "server_processes": server_tree, "store_bytes": store_bytes,
                 "server_cmd": server.cmd if server else None}
@@ -624,12 +629,13 @@ def markdown(result: dict) -> str:
         for w in WORKLOADS:
             parts = ", ".join(f"{k} {v:.1f}" for k, v in col["workloads"][w]["cpu_s"].items() if v >= 0.05)
             lines.append(f"| {LABELS[column]} | {WORKLOAD_LABELS[w]} | {parts} |")
-    lines += ["", "| column | peak RSS MiB by process (p1: the filling process, p2: the fresh one) | vLLM init s |",
-              "|---|---|---|"]
+    lines += ["", "| column | peak RSS MiB by process (p1: the filling process, p2: the fresh one) | vLLM init s "
+              "| store MiB at the end (shared memory, disk) |", "|---|---|---|---|"]
     for column, col in table.items():
         peaks = ", ".join(f"{k} {v / 2**20:.0f}" for k, v in col["peak_rss"].items() if v)
         inits = "; ".join("/".join(f"{x:.0f}" for x in pair) for pair in col["init_s"])
-        lines.append(f"| {LABELS[column]} | {peaks} | {inits} |")
+        stores = ", ".join(f"{Path(k).name} {v / 2**20:.0f}" for k, v in (col["store_bytes"] or {}).items() if v) or "-"
+        lines.append(f"| {LABELS[column]} | {peaks} | {inits} | {stores} |")
     lmc = table.get("lmcache")
     if lmc:
         chunks = ", ".join(f"{WORKLOAD_LABELS[w]} read {r['lmcache_l1_read_chunks']:.0f} write "
