@@ -288,6 +288,12 @@ def _hf_source(path: Path) -> tuple[str, dict[str, str]]:
     return (str(path.parent), {"gguf_file": path.name}) if path.is_file() else (str(path), {})
 
 
+def model_path(model: str, *, plugin_manager: Any = None) -> Path:
+    """The ``.gguf`` file or model folder ``model`` names (an alias resolved as in :func:`load_model`);
+    raises :class:`CoreKVError` where there is none."""
+    return _resolve_path(model, plugin_manager)
+
+
 def _resolve_path(model: str, plugin_manager: Any) -> Path:
     resolved = (plugin_manager.hook.corekv_resolve_model(name=model) if plugin_manager is not None
                 else corekv_resolve_model(model))

@@ -347,3 +347,34 @@ def test_bench_draws_a_progress_bar_only_on_a_terminal(tmp_path):
     piped = run("bench", "hit-rate", "--workloads", "multi_turn,parallel")
     assert piped.returncode == 0 and piped.stderr == ""
     assert piped.stdout.encode() == result.stdout
+
+
+# -- doctor and prepare ----------------------------------------------------------------------------
+def test_doctor_says_what_the_next_start_does_once_with_empty_caches(tmp_path):
+    env = {"COREKV_CACHE_DIR": str(tmp_path / "cache"), "TORCH_EXTENSIONS_DIR": str(tmp_path / "ext")}
+    result = run("doctor", env=env, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert "SmolLM2-135M-Instruct.Q4_1.gguf (converted: not yet)" in result.stdout
+    assert f"{tmp_path / 'ext'}/corekv_native-" in result.stdout and "(not built)" in result.stdout
+    assert result.stdout.rstrip().endswith("the next start will convert the model (tens of seconds) and build "
+                                           "the native kernels (1-3 minutes on 2 CPUs) once: `corekv prepare` "
+                                           "does it now")
+    assert "OpenMP wait: OMP_WAIT_POLICY=PASSIVE (yours)" in result.stdout  # as tests/conftest.py sets it
+    without_policy = {k: v for k, v in {**os.environ, **env}.items() if k != "OMP_WAIT_POLICY"}
+    result = subprocess.run([str(SCRIPT), "doctor"], capture_output=True, text=True, env=without_policy,
+                            cwd=tmp_path, timeout=600)
+    assert "OpenMP wait: passive (corekv's default)" in result.stdout, result.stdout + result.stderr
+
+
+@pytest.mark.slow
+def test_prepare_converts_the_model_so_that_doctor_finds_nothing_left(tmp_path):
+    """A fresh model cache (the converted SmolLM2, tens of seconds); the native kernels' cache is
+    the machine's, so that the build is not repeated here."""
+    env = {"COREKV_CACHE_DIR": str(tmp_path / "cache"), "COREKV_DEVICE": "cpu"}
+    result = run("prepare", env=env, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith("prepared smollm2-135m-instruct in ")
+    assert "corekv: " not in result.stderr  # progress lines only on a terminal
+    result = run("doctor", env=env, cwd=tmp_path)
+    assert f"(converted: {tmp_path / 'cache' / 'models'}/SmolLM2-135M-Instruct.Q4_1-" in result.stdout
+    assert result.stdout.rstrip().endswith("the next start reads everything from the caches")

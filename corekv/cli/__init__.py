@@ -1,9 +1,11 @@
 """The ``corekv`` command line: ``plugins``, ``config``, ``bench hit-rate|plot-reload``,
-``generate``, ``warm``, ``store stats|ls|verify|clear``, ``serve`` and ``route``.
+``generate``, ``warm``, ``store stats|ls|verify|clear``, ``serve``, ``route``, ``doctor`` and
+``prepare``.
 
 One module per command group (:mod:`~corekv.cli.plugins`, :mod:`~corekv.cli.config`,
 :mod:`~corekv.cli.bench`, :mod:`~corekv.cli.generate` for generate and warm,
-:mod:`~corekv.cli.store`, :mod:`~corekv.cli.serve`, :mod:`~corekv.cli.route`); what they share (exit
+:mod:`~corekv.cli.store`, :mod:`~corekv.cli.serve`, :mod:`~corekv.cli.route`,
+:mod:`~corekv.cli.doctor` for doctor and prepare); what they share (exit
 codes, :class:`~corekv.cli.args.UsageError`, the parser class, argument types, the config a command
 reads) is :mod:`corekv.cli.args`, with :mod:`corekv.cli.output`'s table and progress bar;
 :mod:`corekv.cli.entry` builds the parser from them and runs :func:`main`. Imports run one way:

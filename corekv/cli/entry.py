@@ -14,6 +14,7 @@ import sys
 from corekv.cli.args import EXIT_RUNTIME, EXIT_USAGE, Parser, UsageError, parser_kwargs
 from corekv.cli.bench import add_bench_commands
 from corekv.cli.config import add_config_command
+from corekv.cli.doctor import add_doctor_commands
 from corekv.cli.generate import add_generate_command, add_warm_command
 from corekv.cli.plugins import add_plugins_command
 from corekv.cli.route import add_route_command
@@ -27,7 +28,7 @@ _EXIT_CODES_HELP = (
     "exit codes: 0 ok; 1 runtime error (model, store, engine; also `store verify` finding bad\n"
     "entries); 2 usage or config error; 130 interrupted. --debug shows tracebacks.\n\n")
 #: commands that load a model or a store, whose loaders' progress bars main() turns off
-_QUIET_LOADING_COMMANDS = ("generate", "warm", "store", "serve", "route")
+_QUIET_LOADING_COMMANDS = ("generate", "warm", "store", "serve", "route", "prepare")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -46,6 +47,7 @@ def build_parser() -> argparse.ArgumentParser:
         "corekv: a plugin-style KV-cache framework for LLM inference.",
         "  corekv plugins\n"
         "  corekv config --config cache.yaml\n"
+        "  corekv doctor\n"
         "  corekv generate --prompt 'What is a KV cache?' --chat\n"
         "  corekv bench hit-rate\n"
         "  corekv store stats --config cache.yaml\n"
@@ -56,7 +58,7 @@ def build_parser() -> argparse.ArgumentParser:
     # NOTE: the order `corekv --help` lists the commands in
     for add_commands in (add_plugins_command, add_config_command, add_bench_commands,
                          add_generate_command, add_warm_command, add_store_commands,
-                         add_route_command, add_serve_command):
+                         add_route_command, add_serve_command, add_doctor_commands):
         add_commands(commands, common)
     return parser
 

@@ -43,6 +43,12 @@ def prefer_passive_wait() -> None:
         os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
 
 
+def is_passive_wait_corekvs() -> bool:
+    """Whether ``OMP_WAIT_POLICY`` in the environment is the one :func:`prefer_passive_wait` set
+    (not the user's), until an engine starts and takes it out again."""
+    return _is_policy_ours
+
+
 def usable_cpus() -> int:
     """CPUs this process may run on: its affinity, capped by its cgroup's CPU quota (at least 1)."""
     try:
