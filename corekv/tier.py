@@ -293,6 +293,12 @@ class Tier(ABC):
         with self._lock:
             return dict(self._stats)
 
+    def is_reachable(self) -> bool:
+        """Whether the tier's store answered when it opened. In-process and local stores are
+        reachable once open; a tier that connects lazily to a server (redis) says whether it
+        reached it, so a ``required: true`` tier whose server is down refuses to start."""
+        return True
+
     def describe(self) -> dict[str, Any]:
         """Name, type, capabilities, block layout and usage (for ``corekv store stats``)."""
         return {

@@ -53,3 +53,31 @@ def test_a_factory_must_return_a_tier():
     spec = TierSpec(name="odd", factory=lambda **kw: object(), plugin="thirdparty")
     with pytest.raises(PluginError, match="returned object, expected a corekv.tier.Tier"):
         make_tier(spec, {}, block_bytes=64, fingerprint=b"m")
+
+
+def test_a_required_redis_tier_whose_server_is_down_refuses_to_start(tmp_path):
+    """A real closed loopback port (nothing listens): required refuses, not required starts without it."""
+    import socket
+
+    import corekv
+    from corekv.offload import make_tiers
+    from corekv.plugin import make_plugin_manager
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # closed again when the block ends: nothing listens there
+    down = {"type": "redis", "url": f"redis://127.0.0.1:{port}/0", "socket_timeout": 0.2}
+    for required in (True, False):
+        cfg = corekv.load_config({"cache": {"tiers": [{"type": "lmdb", "path": str(tmp_path / f"kv{required}"),
+                                                      "size": "1MiB"}, {**down, "required": required}]}}, env={})
+        kwargs = dict(fingerprint="ab" * 16, dtype="uint8", block_bytes=4096, shape=(4096,))
+        if required:
+            with pytest.raises(ConfigError, match=r"cache.tiers\[1\] \(redis\): required: true, and its store did "
+                                                  "not answer") as caught:
+                make_tiers(cfg.cache, make_plugin_manager(), **kwargs)
+            assert caught.value.path == "cache.tiers[1].required"
+        else:
+            tiers, _ = make_tiers(cfg.cache, make_plugin_manager(), **kwargs)
+            assert [t.name for t in tiers] == ["lmdb", "redis"] and not tiers[1].is_reachable()
+            for tier in tiers:
+                tier.close()

@@ -85,6 +85,10 @@ class RedisTier(Tier):
         self._connect(is_opening=True)
 
     # ---------------------------------------------------------------- usage (server-wide)
+    def is_reachable(self) -> bool:
+        # the server answered at open (a cluster: its slot map, and every primary)
+        return self._nodes is not None and not self._cooldowns.any_down()
+
     @property
     def capacity_bytes(self) -> int | None:
         infos = self._on_primaries("info", lambda client: client.info("memory"))

@@ -44,10 +44,15 @@ def make_tiers(cache: CacheConfig, plugin_manager, *, fingerprint: str, dtype: s
     try:
         for i, tier_cfg in enumerate(cache.tiers):
             try:
-                tiers.append(make_tier(specs[tier_cfg.type], tier_cfg.options, block_bytes=block_bytes,
-                                       fingerprint=fingerprint_bytes(fingerprint), dtype=dtype,
-                                       shape=shape, name=tier_cfg.name, secret=secret,
-                                       where=f"cache.tiers[{i}]"))
+                tier = make_tier(specs[tier_cfg.type], tier_cfg.options, block_bytes=block_bytes,
+                                 fingerprint=fingerprint_bytes(fingerprint), dtype=dtype,
+                                 shape=shape, name=tier_cfg.name, secret=secret, where=f"cache.tiers[{i}]")
+                tiers.append(tier)
+                if tier_cfg.required and not tier.is_reachable():
+                    raise ConfigError(f"cache.tiers[{i}] ({tier_cfg.name}): required: true, and its store did "
+                                      "not answer at start; start the server (or fix the url), or set "
+                                      "required: false to run without it until it answers",
+                                      path=f"cache.tiers[{i}].required")
             except (ConfigError, PluginError) as e:
                 if tier_cfg.required:
                     raise
