@@ -34,7 +34,7 @@ announced on a terminal) into a folder of torch's extension cache (``TORCH_EXTEN
 by a digest of what the build depends on (:func:`build_key`), which then serves later processes at
 once. NOTE: keyed, not named ``corekv_native`` alone: two checkouts or venvs (another torch or
 python, other sources) would otherwise rebuild each other's kernels, wait on each other's build
-lock and load whichever build the other made; the same sources and versions share one build.
+lock and load whichever build the other made; processes of one environment share one build.
 """
 from __future__ import annotations
 
@@ -156,10 +156,16 @@ def _revision() -> str:
 
 def build_key() -> str:
     """A digest of what the kernels' build depends on: the sources, the compile flags, the
-    compiler named by ``$CXX``, the machine, python's and torch's versions."""
+    compiler named by ``$CXX``, the machine, python's and torch's versions and where torch is
+    installed.
+
+    NOTE: torch's folder too, not its version alone: the build's compile commands name torch's
+    include folder, and ninja rebuilds everything when a command changes, so two venvs with the
+    same torch version in one folder rebuilt each other's kernels on every switch (measured:
+    BENCHMARKS.md, "Start-up")."""
     digest = hashlib.sha256()
     for part in (_revision(), *_cflags(), os.environ.get("CXX", ""), platform.machine(),
-                 sys.version, sys.abiflags, torch.__version__):
+                 sys.version, sys.abiflags, torch.__version__, os.path.dirname(torch.__file__)):
         digest.update(part.encode() + b"\0")
     return digest.hexdigest()[:16]
 
