@@ -31,7 +31,7 @@ def block_of(kv: torch.Tensor, block: int, dim: int) -> torch.Tensor:
 def test_blocks_round_trip_through_a_tier_into_other_blocks(make, dim):
     caches = make()
     page_bytes = caches["layer.0"].numel() // NUM_BLOCKS * 4
-    pool = PagedKV(caches, num_blocks=NUM_BLOCKS, page_bytes=page_bytes)
+    pool = PagedKV(caches, num_blocks=NUM_BLOCKS, page_bytes=page_bytes, block_size=4)
     assert pool_rows(pool) is None and pool.block_shape == (LAYERS, page_bytes)
     tier = HostTier(size=1 << 20, block_bytes=pool.bytes_per_block, fingerprint=b"f" * 16, shape=pool.block_shape)
     keys = [b"block-a", b"block-b"]
@@ -49,4 +49,4 @@ def test_blocks_round_trip_through_a_tier_into_other_blocks(make, dim):
 def test_an_unknown_layout_is_a_clear_error():
     caches = {"layer.0": torch.zeros(4, 3, NUM_BLOCKS)}  # blocks on the last dimension
     with pytest.raises(ConfigError, match="expects 6 blocks of .* on dimension 0 or 1"):
-        PagedKV(caches, num_blocks=NUM_BLOCKS, page_bytes=48)
+        PagedKV(caches, num_blocks=NUM_BLOCKS, page_bytes=48, block_size=4)

@@ -27,8 +27,9 @@ import torch
 
 from corekv.backend import EvictedBlock
 from corekv.hashing import BlockHash, PrefixKey
+from corekv.offload.cost import ReloadCost
 from corekv.offload.planner import OffloadPlanner
-from corekv.offload.pool_io import snapshot_blocks
+from corekv.offload.pool_io import snapshot_blocks, write_rows
 from corekv.offload.prefetch import Prefetch, Prefetcher
 from corekv.offload.reload import Reloader
 from corekv.offload.swap import Parked, Swap
@@ -36,7 +37,9 @@ from corekv.offload.tier_calls import safe_tier_call as _safe
 from corekv.offload.writer import OffloadWriter, OnDone
 from corekv.tier import Tier
 
-__all__ = ["Offload"]
+__all__ = ["IN_FLIGHT", "Offload"]
+#: where :meth:`Offload.load_blocks` found a block whose write was still queued
+IN_FLIGHT = "in-flight"
 
 
 class Offload:
@@ -65,7 +68,7 @@ class Offload:
     def __init__(self, tiers: Sequence[Tier], kv_pool, *, write_policy: str = "write_back",
                  offload_min_hits: int = 0, queue_blocks: int = 256, hooks=None,
                  prefetch_blocks: int | None = None, swap_tier: int | None = None, backend=None,
-                 on_done: OnDone | None = None):
+                 on_done: OnDone | None = None, reload_cost: ReloadCost | None = None):
         """:param prefetch_blocks: blocks prefetches may stage in host memory at once (None: as
             many as the device pool holds; 0: no prefetch, admission loads synchronously).
         :param swap_tier: index of the tier swap preemption parks blocks in (None: no swap).
@@ -73,6 +76,8 @@ class Offload:
             :meth:`evicted` (until :meth:`close`), and at close the blocks it still caches are
             written to the persistent tiers, so a new process finds them.
         :param on_done: told when each offloaded block's write ended (:mod:`.writer`'s ``OnDone``).
+        :param reload_cost: decides how many tier hits a request loads (:mod:`.cost`; default:
+            all of them); the engine feeds it its step times through :attr:`cost`.
         :raises ValueError: a backend that cannot report evicted blocks' hashes.
 
         NOTE: the arguments are checked here too although the config reader checked the config's
@@ -98,7 +103,9 @@ class Offload:
         self.opted_out: set[BlockHash] = set()
         #: per tier: "<name>.reloaded", ".prefetched", ".offloaded", ".offload_skips", ".swapped_*"
         self.counters = Counter()
-        self.reloader = Reloader(self.tiers, kv_pool, self.counters, self._loaded)
+        self.reloader = Reloader(self.tiers, kv_pool, self.counters, self._loaded, reload_cost)
+        #: the reload-or-recompute cost model (:class:`~corekv.offload.cost.ReloadCost`)
+        self.cost = self.reloader.cost
         self._writer: OffloadWriter | None = OffloadWriter(self.counters, queue_blocks=queue_blocks, hooks=hooks,
                                                            on_done=on_done)
         self.prefetcher = Prefetcher(self.reloader.stage, max_blocks=prefetch_blocks) if prefetch_blocks else None
@@ -140,12 +147,31 @@ class Offload:
 
     def load_blocks(self, hashes: Sequence[BlockHash], block_ids: Sequence[int]) -> dict[str, int]:
         """Load the chain ``hashes`` (a prefix's blocks from some block on) into ``block_ids``
-        (one per block, in order) as far as the tiers hold them, with no prefetch (a caller that
-        plans elsewhere: the vLLM connector's worker).
+        (one per block, in order) as far as they are held, with no prefetch (a caller that
+        plans elsewhere: the vLLM connector's worker). A block whose write is still queued is
+        copied from the writer's snapshot of it (counted as :data:`IN_FLIGHT`), the others from
+        the tiers.
 
-        :returns: ``{tier name: blocks loaded}`` for the leading blocks that loaded.
+        :returns: ``{tier name or IN_FLIGHT: blocks loaded}`` for the leading blocks that loaded.
         """
-        return self.reloader.load_prefix(_Chain(hashes), 0, len(hashes), block_ids)
+        loaded: dict[str, int] = {}
+        rows = self._writer.pending_rows(hashes) if self._writer is not None else [None] * len(hashes)
+        pos = 0
+        while pos < len(hashes):
+            end = pos
+            while end < len(hashes) and (rows[end] is None) == (rows[pos] is None):
+                end += 1
+            if rows[pos] is not None:
+                write_rows(self.kv_pool, list(block_ids[pos:end]), torch.stack(rows[pos:end]))
+                got = {IN_FLIGHT: end - pos}
+            else:
+                got = self.reloader.load_prefix(_Chain(hashes[pos:end]), 0, end - pos, block_ids[pos:end])
+            for name, num in got.items():
+                loaded[name] = loaded.get(name, 0) + num
+            if sum(got.values()) < end - pos:
+                break
+            pos = end
+        return loaded
 
     def discard(self, hashes: Sequence[BlockHash]) -> None:
         """Delete ``hashes`` from every tier (entries that failed to load: they would fail the

@@ -50,6 +50,9 @@ class OffloadWriter:
         self.on_done = on_done
         self._queue: queue.Queue = queue.Queue()
         self._queued_blocks = 0
+        #: blocks queued and not yet finished -> (their batch's snapshot, row): what a load may
+        #: read before the tiers have it (a request that follows its own write at once)
+        self._pending: dict[BlockHash, tuple[torch.Tensor, int]] = {}
         self._lock = threading.Lock()
         self._thread: threading.Thread | None = threading.Thread(
             target=self._run, name="corekv-offload", daemon=True)
@@ -78,8 +81,18 @@ class OffloadWriter:
             self._done(len(hashes))  # never queued: give its room back
             self._report(hashes, "failed")
             raise
+        with self._lock:
+            for row, h in enumerate(item[0]):
+                self._pending[h] = (item[1], row)
         self._queue.put(item)
         return True
+
+    def pending_rows(self, hashes: Sequence[BlockHash]) -> list[torch.Tensor | None]:
+        """Per hash, its queued bytes (a uint8 row of the batch's snapshot) while its write has
+        not finished; ``None`` for the others."""
+        with self._lock:
+            found = [self._pending.get(h) for h in hashes]
+        return [None if f is None else f[0][f[1]].reshape(-1).view(torch.uint8) for f in found]
 
     @property
     def num_queued_blocks(self) -> int:
@@ -137,6 +150,10 @@ class OffloadWriter:
                 # count would shrink the queue for good and skip every later offload) and every
                 # queued block gets its report (a lookup may be waiting on it).
                 self._report([hashes[i] for i in sorted(unreported)], "failed")
+                with self._lock:
+                    for h in hashes:
+                        if self._pending.get(h, (None,))[0] is snapshot:
+                            del self._pending[h]
                 self._done(len(hashes))
                 self._queue.task_done()
 

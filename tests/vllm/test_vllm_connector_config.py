@@ -130,11 +130,15 @@ def step(side, req, block_ids):
     return plan
 
 
-def test_a_lookup_waits_for_a_write_in_flight_until_the_worker_reports_it_then_loads_it(tmp_path, model_dir):
+def test_a_request_following_its_own_write_loads_it_at_once_from_the_write_in_flight(tmp_path, model_dir):
     """Both sides of the connector on real tiers (shm, then LMDB) and a real CPU KV layout, with
-    vLLM's engine replaced by the calls it makes: a request that follows another at once is told
-    "not yet" while that one's blocks are being written, never for a timer's sake, and loads them
-    from the tiers, bit for bit, once the worker reports the writes done."""
+    vLLM's engine replaced by the calls it makes. A request that follows another at once is told
+    "not yet" only until the other's saves reach the worker; then it loads them, bit for bit,
+    from the worker's writes in flight (the tiers' writes are held back here by a gate, a stand-in
+    for a slow tier), and once the worker reports them done, from the shm tier."""
+    import shutil
+    import threading
+
     from corekv.integrations.vllm.scheduler import SchedulerSide
     from corekv.integrations.vllm.worker import WorkerSide
     from vllm.v1.metrics.cache_hit_source import CacheHitSource
@@ -144,9 +148,13 @@ def test_a_lookup_waits_for_a_write_in_flight_until_the_worker_reports_it_then_l
                                {"type": "lmdb", "path": str(tmp_path / "kv"), "size": "256MiB", "sync": False}]}}
     settings = read_settings(vllm_config(model_dir, {"config": config_file(tmp_path, cfg)}), kv_cache_config())
     scheduler = SchedulerSide(settings, same_process=True)
-    worker = WorkerSide(settings, num_blocks=16)
-    layers = {f"model.layers.{i}.self_attn.attn": torch.randn(16, 3, 32, 128) for i in range(30)}
+    worker = WorkerSide(settings, num_blocks=24)
+    layers = {f"model.layers.{i}.self_attn.attn": torch.randn(24, 3, 32, 128) for i in range(30)}
     worker.register(layers)
+    gate = threading.Event()
+    for tier in worker.offload.tiers:
+        write = tier._write_entries
+        tier._write_entries = lambda items, write=write: (gate.wait(60), write(items))[1]
     try:
         tokens = list(range(1000, 1200))  # 6 full blocks of 32 and a partial one
         first = fake_request("first", tokens)
@@ -154,28 +162,37 @@ def test_a_lookup_waits_for_a_write_in_flight_until_the_worker_reports_it_then_l
         scheduler.allocated(first, list(range(7)), 0)
         worker.save(step(scheduler, first, list(range(7))))
         assert scheduler.finished(first, list(range(7)))  # write-back: vLLM keeps the blocks until saved
+        second = fake_request("second", tokens)
+        assert scheduler.matched_tokens(second, 0) is None  # its saves are not at the worker yet
         plan = step(scheduler, fake_request("idle", [1]), [])
         assert [s.block_ids for s in plan.saves] == [list(range(6))] and plan.saves[0].finished
+        worker.save(plan)  # copied out; the tier writes wait at the gate
 
-        second = fake_request("second", tokens)
-        assert scheduler.matched_tokens(second, 0) is None  # in flight: ask again next step
-        worker.save(plan)
-        worker.offload.flush()
-        assert worker.finished_saving() == {"first"}
-        scheduler.reported(worker.report())
         assert scheduler.matched_tokens(second, 0) == 6 * 32
         scheduler.allocated(second, list(range(8, 15)), 6 * 32)
-        assert scheduler.hit_sources(second, 6 * 32) == {CacheHitSource.HOST: 6 * 32}  # the shm tier
+        assert scheduler.hit_sources(second, 6 * 32) == {CacheHitSource.HOST: 6 * 32}
         load_plan = step(scheduler, second, list(range(8, 15)))
         assert [load.block_ids for load in load_plan.loads] == [list(range(8, 14))]
         worker.load(load_plan)
-        assert worker.load_errors() == set()
+        assert worker.load_errors() == set() and worker.take_counters()["loaded_blocks"] == 6
         for kv in layers.values():
             assert torch.equal(kv[8:14], kv[0:6])
-        assert scheduler.reset_cache() and scheduler.matched_tokens(fake_request("third", tokens), 0) == 0
+
+        gate.set()
+        worker.offload.flush()
+        assert worker.finished_saving() == {"first"}
+        scheduler.reported(worker.report())
+        assert not scheduler.planner.in_flight
+        third = fake_request("third", tokens)
+        assert scheduler.matched_tokens(third, 0) == 6 * 32  # now from the shm tier
+        scheduler.allocated(third, list(range(16, 23)), 6 * 32)
+        worker.load(step(scheduler, third, list(range(16, 23))))
+        assert worker.load_errors() == set()
+        for kv in layers.values():
+            assert torch.equal(kv[16:22], kv[0:6])
+        assert scheduler.reset_cache() and scheduler.matched_tokens(fake_request("fourth", tokens), 0) == 0
     finally:
+        gate.set()
         worker.close()
         scheduler.close()
-        import shutil
-
         shutil.rmtree(shm, ignore_errors=True)

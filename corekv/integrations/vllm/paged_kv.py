@@ -37,7 +37,8 @@ class PagedKV:
     ``layer_rows``, where set, are views of those same tensors.
     """
 
-    def __init__(self, kv_caches: Mapping[str, torch.Tensor], *, num_blocks: int, page_bytes: int):
+    def __init__(self, kv_caches: Mapping[str, torch.Tensor], *, num_blocks: int, page_bytes: int,
+                 block_size: int):
         if not kv_caches:
             raise ConfigError("vLLM registered no KV cache tensors; the corekv connector needs the "
                               "model's attention KV")
@@ -46,6 +47,7 @@ class PagedKV:
         first = self.layers[0]
         self.device = first.device
         self.num_blocks = num_blocks
+        self.block_size = block_size  # tokens per block (vLLM's --block-size)
         self.page_bytes = page_bytes
         self.block_dims = [self._block_dim(name, t, num_blocks, page_bytes) for name, t in kv_caches.items()]
         self.block_shape = (len(self.layers), page_bytes)

@@ -16,10 +16,13 @@ When blocks are offloaded (``cache.write_policy``):
 The policy is corekv's one offload planner (:class:`corekv.offload.planner.OffloadPlanner`), the
 engine's too. With ``offload_min_hits: n`` a block is offloaded only once vLLM's own prefix cache
 served it ``n`` times (it is resident then, so it is saved at that admission, or at that
-request's end under ``write_back``). A lookup that stops at a block whose write is in flight
-answers "not yet" (vLLM asks again next step) until the worker reports that write done (stored,
-skipped or failed: every queued block is reported), so a request that follows another one at
-once reloads its blocks instead of recomputing them. Plans carry block hashes: the worker never
+request's end under ``write_back``). Writes in flight are tracked until the worker reports each
+one done (stored, skipped or failed: every queued block is reported; no timer): a lookup that
+reaches such a block counts it, and the worker loads it from its writer's snapshot of the block
+if the tier does not hold it yet, so a request that follows another one at once reloads its
+blocks instead of recomputing them, without waiting for the write. Only a block whose save is
+still in the plan vLLM has not taken yet makes a lookup answer "not yet" (vLLM asks again next
+step, when the worker has it). Plans carry block hashes: the worker never
 hashes tokens. Requests whose KV depends on more than their token ids (images, prompt
 embeddings) are neither looked up nor offloaded.
 
@@ -42,7 +45,7 @@ from corekv.hashing import PrefixKey
 from corekv.integrations.vllm.metadata import BlockLoad, BlockSave, StepPlan, StepReport
 from corekv.integrations.vllm.settings import ConnectorSettings
 from corekv.integrations.vllm.shared_tiers import open_tiers, release_tiers, scheduler_started
-from corekv.offload import lookup_runs
+from corekv.offload import TierRun, lookup_runs
 from corekv.offload.planner import OffloadPlanner
 
 __all__ = ["SchedulerSide"]
@@ -50,6 +53,8 @@ logger = logging.getLogger(__name__)
 #: most blocks whose KV-event fields wait for the worker's "stored" report, hit counts, writes in flight
 _MAX_TRACKED = 1 << 16
 
+#: the tier index of a run of blocks the worker still holds as writes in flight (its memory)
+IN_FLIGHT_RUN = -1
 #: tier types whose entries are in this machine's memory, or on its disk (vLLM's hit sources)
 _SOURCES = {"host": CacheHitSource.HOST, "shm": CacheHitSource.HOST, "lmdb": CacheHitSource.DISK}
 
@@ -104,6 +109,7 @@ class SchedulerSide:
         types = {t.name: t.type for t in settings.cache.tiers}
         self._tier_sources = [_SOURCES.get(types.get(t.name), CacheHitSource.EXTERNAL_UNSPECIFIED) for t in tiers]
         self._plan = StepPlan()
+        self._unsent: set[bytes] = set()  # blocks whose save is in the plan not yet handed to vLLM
         self._saving: set[str] = set()   # finished requests whose blocks vLLM keeps until saved
         self._event_fields: OrderedDict[bytes, dict] = OrderedDict()
         self._events: list = []
@@ -120,17 +126,32 @@ class SchedulerSide:
                          self.settings.cache.hash, cache_salt=request.cache_salt)
 
     def matched_tokens(self, request, num_computed_tokens: int) -> int | None:
-        """Tokens beyond vLLM's device match that the tiers can give (whole blocks); ``None``:
-        the next block is being written, ask again."""
+        """Tokens beyond vLLM's device match that the tiers (or the worker's writes in flight)
+        can give, whole blocks; ``None``: the next block's write is not sent yet, ask again."""
         key = self._key(request)
         if key is None or not self.tiers:
             return 0
+        hashes = key.block_hashes
         first = num_computed_tokens // self.block_size
         limit = (request.num_tokens - 1) // self.block_size
-        runs = lookup_runs(self.tiers, key.block_hashes, first, limit) if first < limit else []
-        found = sum(run.num_blocks for run in runs)
-        if first + found < limit and self.planner.is_in_flight(key.block_hashes[first + found]):
-            return None
+        runs, pos = [], first
+        while pos < limit:
+            found_runs = lookup_runs(self.tiers, hashes, pos, limit)
+            runs += found_runs
+            pos += sum(run.num_blocks for run in found_runs)
+            if pos >= limit or not self.planner.is_in_flight(hashes[pos]):
+                break
+            if hashes[pos] in self._unsent:
+                return None  # its save reaches the worker with the next step: ask then
+            # NOTE: a write the worker received and has not finished: it loads the block from
+            # the writer's snapshot (or from the tier, once written), so nothing waits for it
+            num = 1
+            while pos + num < limit and self.planner.is_in_flight(hashes[pos + num]) \
+                    and hashes[pos + num] not in self._unsent:
+                num += 1
+            runs.append(TierRun(IN_FLIGHT_RUN, num))
+            pos += num
+        found = pos - first
         self._lookups[request.request_id] = (key, num_computed_tokens, runs)
         logger.debug("lookup %s: device %d tokens, tiers %d blocks from block %d", request.request_id,
                      num_computed_tokens, found, first)
@@ -163,7 +184,7 @@ class SchedulerSide:
             return {CacheHitSource.EXTERNAL_UNSPECIFIED: num_external_tokens} if num_external_tokens else {}
         sources: dict = {}
         for index, tokens in by_tier.items():
-            source = self._tier_sources[index]
+            source = CacheHitSource.HOST if index == IN_FLIGHT_RUN else self._tier_sources[index]
             sources[source] = sources.get(source, 0) + tokens
         return sources
 
@@ -196,6 +217,7 @@ class SchedulerSide:
             if self.planner.is_write_through and state.pending:
                 self._queue_save(state, finished=False)
         plan, self._plan = self._plan, StepPlan()
+        self._unsent.clear()
         return plan
 
     def finished(self, request, block_ids: list[int]) -> bool:
@@ -216,6 +238,7 @@ class SchedulerSide:
         if not indices:
             return
         hashes = [state.key.block_hashes[i] for i in indices]
+        self._unsent.update(hashes)
         self._plan.saves.append(BlockSave(state.request.request_id, hashes, [state.block_ids[i] for i in indices],
                                           finished=finished))
         self.planner.queued(hashes)
@@ -266,6 +289,7 @@ class SchedulerSide:
         """The saves planned for a step that has not been built (for the worker's shutdown)."""
         plan = StepPlan(saves=self._plan.saves)
         self._plan.saves = []
+        self._unsent.clear()
         return plan
 
     def take_events(self) -> list:

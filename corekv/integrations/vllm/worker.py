@@ -67,7 +67,8 @@ class WorkerSide:
         self.counters: Counter[str] = Counter()
 
     def register(self, kv_caches) -> None:
-        pool = PagedKV(kv_caches, num_blocks=self.num_blocks, page_bytes=self.settings.page_bytes)
+        pool = PagedKV(kv_caches, num_blocks=self.num_blocks, page_bytes=self.settings.page_bytes,
+                       block_size=self.settings.block_size)
         if pool.bytes_per_block != self.settings.block_bytes:
             raise ValueError(f"vLLM registered {len(pool.layers)} KV layers, the KV cache config named "
                              f"{self.settings.num_layers}")
