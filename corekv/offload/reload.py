@@ -6,15 +6,19 @@ fails its header or tag check ends the run; everything after it is computed as u
 prefetch (:mod:`corekv.offload.prefetch`), the lookup and the tier reads start when a request
 arrives, on a background thread, into host staging; admission (:meth:`Reloader.load_prefix`)
 then copies the staged rows into the pool in one batched copy and loads only what was not staged.
+Every tier read is timed for the cost model (:mod:`~corekv.offload.cost`), which decides how many
+of a lookup's blocks are worth loading; the rest are recomputed.
 """
 from __future__ import annotations
 
+import time
 from collections import Counter
 from collections.abc import Callable, Sequence
 
 import torch
 
 from corekv.hashing import BlockHash, PrefixKey
+from corekv.offload.cost import ReloadCost
 from corekv.offload.pool_io import StagingBuffers, load_into_pool, snapshot_blocks, write_rows
 from corekv.offload.prefetch import Prefetch, Prefetcher, TierRun
 from corekv.offload.tier_calls import safe_tier_call as _safe
@@ -58,8 +62,11 @@ class Reloader:
     ``<tier>.prefetched``.
     """
 
-    def __init__(self, tiers: Sequence[Tier], kv_pool, counters: Counter, on_loaded: OnLoaded):
+    def __init__(self, tiers: Sequence[Tier], kv_pool, counters: Counter, on_loaded: OnLoaded,
+                 cost: ReloadCost | None = None):
         self.tiers = list(tiers)
+        #: measures every tier read and decides how many blocks a lookup loads
+        self.cost = cost or ReloadCost([t.name for t in self.tiers], kv_pool.block_size)
         self.kv_pool = kv_pool
         self.counters = counters
         self.on_loaded = on_loaded
@@ -82,7 +89,9 @@ class Reloader:
             tier = self.tiers[run.tier_index]
             ids = list(block_ids[offset:offset + run.num_blocks])
             keys = hashes[pos:pos + run.num_blocks]
+            started = time.perf_counter()
             flags = self.load_into(tier, keys, ids)
+            self.cost.observe_load(run.tier_index, len(keys), time.perf_counter() - started)
             num_ok = next((i for i, ok in enumerate(flags) if not ok), len(flags))
             if num_ok:
                 loaded[tier.name] = loaded.get(tier.name, 0) + num_ok
@@ -107,6 +116,7 @@ class Reloader:
         :returns: ``{tier name: blocks loaded}`` for the leading blocks that loaded.
         """
         staged = prefetcher.take(prefetch) if prefetch is not None else None
+        stop = self.cost.limit(start, stop)  # cache.max_load_tokens
         loaded: dict[str, int] = {}
         pos, num_used = start, 0
         try:
@@ -117,8 +127,8 @@ class Reloader:
                     num_used += num
                     pos += num
                     continue
-                limit = staged.start if staged is not None and pos < staged.start else stop
-                runs = self.lookup(key, pos, limit)
+                limit = min(staged.start, stop) if staged is not None and pos < staged.start else stop
+                runs = _cut(self.lookup(key, pos, limit), self.cost.num_blocks_to_load)
                 wanted = sum(run.num_blocks for run in runs)
                 got = self.load(key, pos, runs, block_ids[offset:offset + wanted]) if runs else {}
                 for name, num in got.items():
@@ -139,7 +149,8 @@ class Reloader:
         tiers and fetch at most ``max_blocks`` leading hits, validated, into staging rows,
         ``_CHUNK`` blocks per tier call, until admission asks it to stop."""
         key, start = prefetch.key, prefetch.start
-        runs = self.lookup(key, start, prefetch.stop)
+        runs = _cut(self.lookup(key, start, self.cost.limit(start, prefetch.stop)),
+                    lambda found: self.cost.num_blocks_to_load(found, count=False))
         total = min(sum(run.num_blocks for run in runs), max_blocks)
         if total == 0:
             return
@@ -156,8 +167,10 @@ class Reloader:
                     return
                 num = min(_CHUNK, end - offset)
                 keys = hashes[start + offset:start + offset + num]
+                started = time.perf_counter()
                 flags = _safe(lambda: tier.get_into(keys, list(staging_rows[offset:offset + num])),
                               [False] * num, tier, "get_into")
+                self.cost.observe_load(run.tier_index, num, time.perf_counter() - started)
                 num_ok = next((i for i, ok in enumerate(flags) if not ok), num)
                 if num_ok:
                     prefetch.add(run.tier_index, num_ok)
@@ -194,3 +207,15 @@ class Reloader:
             self.counters[f"{tier.name}.prefetched"] += hi - lo
             self.on_loaded(run.tier_index, keys, lambda rows=rows: self.staging.snapshot(rows))
         return last - first
+
+
+def _cut(runs: list[TierRun], num_blocks_to_load: Callable[[list[TierRun]], int]) -> list[TierRun]:
+    """``runs`` up to the number of blocks the cost model loads (a run boundary or a cap)."""
+    left = num_blocks_to_load(runs)
+    kept = []
+    for run in runs:
+        if left <= 0:
+            break
+        kept.append(TierRun(run.tier_index, min(run.num_blocks, left)))
+        left -= run.num_blocks
+    return kept

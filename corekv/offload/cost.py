@@ -1,0 +1,156 @@
+"""Reload or recompute: how many of the blocks the tiers hold for a request are worth loading.
+
+A tier hit is not always cheaper than computing the same tokens again (a file or remote tier
+under load, a small model on a fast device). One :class:`ReloadCost` per process learns, as the
+engine runs, what each costs:
+
+- per tier, **seconds per block loaded**: the tier reads (and, at admission, the copies into the
+  pool) the reloader times on every load, on the prefetch thread and the engine's;
+- the engine's **prefill seconds per token**: from its steps of at least ``block_size`` tokens
+  (the step's time over its tokens, so a step's fixed cost is counted as recompute's: the
+  estimate leans towards reloading).
+
+Both are exponentially weighted means (recent samples count ``weight``), used once they have
+``min_samples`` samples. With ``policy: cost`` a lookup's tier runs (leading blocks, tier by
+tier) are loaded up to the cut that saves the most expected time, each block saving
+``prefill s/token * block_size - tier s/block``: a slow tier's run is recomputed, and so is
+everything after it unless a faster run behind it wins the time back. A tier not yet measured,
+or an engine whose prefill rate is not, counts as free to load (the prior: reload, as without a
+cost model). A tier whose blocks were skipped ``probe_every`` times is loaded once more, so its
+estimate follows a tier that recovered. ``max_load_tokens`` caps the blocks loaded per request
+whatever the policy (vLLM's knob of that name).
+
+The vLLM connector's scheduler side uses the same object: it sees no timings (the worker loads
+and vLLM runs the model), so there it applies ``max_load_tokens`` and loads what the priors say.
+"""
+from __future__ import annotations
+
+import threading
+from collections import Counter
+from collections.abc import Sequence
+
+from corekv.offload.prefetch import TierRun
+
+__all__ = ["POLICIES", "ReloadCost"]
+
+#: ``always``: load every tier hit (up to ``max_load_tokens``); ``cost``: only where it beats recompute
+POLICIES = ("always", "cost")
+
+
+class _Mean:
+    """An exponentially weighted mean; the plain mean over its first ``1 / weight`` samples."""
+
+    __slots__ = ("num_samples", "value")
+
+    def __init__(self) -> None:
+        self.num_samples, self.value = 0, 0.0
+
+    def add(self, sample: float, weight: float) -> None:
+        self.num_samples += 1
+        self.value += (sample - self.value) * max(weight, 1.0 / self.num_samples)
+
+
+class ReloadCost:
+    """Measured load and prefill costs, and the per-request decision (see the module docstring).
+
+    Invariants: an estimate is used only once it has ``min_samples`` samples; a decision never
+    loads a block after one it does not load (runs are cut, never holed); ``counters`` only grow.
+    Thread-safe: the prefetch thread and the engine's measure and decide.
+    """
+
+    def __init__(self, tier_names: Sequence[str], block_size: int, *, policy: str = "always",
+                 max_load_tokens: int | None = None, min_samples: int = 4, probe_every: int = 32,
+                 weight: float = 0.2):
+        if policy not in POLICIES:
+            raise ValueError(f"reload policy must be one of {POLICIES}, got {policy!r}")
+        if max_load_tokens is not None and (isinstance(max_load_tokens, bool) or not isinstance(max_load_tokens, int)
+                                            or max_load_tokens < 0):
+            raise ValueError(f"max_load_tokens must be an int >= 0 or None (no cap), got {max_load_tokens!r}")
+        if min_samples < 1 or probe_every < 1 or not 0.0 < weight <= 1.0:
+            raise ValueError(f"need min_samples >= 1, probe_every >= 1 and 0 < weight <= 1, got "
+                             f"{min_samples}, {probe_every}, {weight}")
+        self.tier_names = list(tier_names)
+        self.block_size = block_size
+        self.policy = policy
+        #: most blocks loaded per request (``max_load_tokens`` rounded down to whole blocks); None: no cap
+        self.max_load_blocks = None if max_load_tokens is None else max_load_tokens // block_size
+        self.min_samples, self.probe_every, self.weight = min_samples, probe_every, weight
+        self._loads = [_Mean() for _ in self.tier_names]
+        self._prefill = _Mean()
+        self._num_skips = [0] * len(self.tier_names)  # decisions that skipped the tier since it last loaded
+        #: skipped_blocks (held by a tier, recomputed: cheaper), probes (skipped tiers loaded again)
+        self.counters: Counter = Counter()
+        self._lock = threading.Lock()
+
+    # -- measurements ------------------------------------------------------------------------
+    def observe_load(self, tier_index: int, num_blocks: int, seconds: float) -> None:
+        """Reading ``num_blocks`` blocks from tier ``tier_index`` took ``seconds`` (hits or not)."""
+        if num_blocks > 0:
+            with self._lock:
+                self._loads[tier_index].add(seconds / num_blocks, self.weight)
+
+    def observe_step(self, num_tokens: int, seconds: float) -> None:
+        """An engine step computed ``num_tokens`` tokens in ``seconds`` (short steps are ignored:
+        their fixed cost would dominate)."""
+        if num_tokens >= self.block_size:
+            with self._lock:
+                self._prefill.add(seconds / num_tokens, self.weight)
+
+    # -- decisions ---------------------------------------------------------------------------
+    def limit(self, start: int, stop: int) -> int:
+        """``stop`` capped so that at most ``max_load_blocks`` blocks from ``start`` on are loaded."""
+        return stop if self.max_load_blocks is None else min(stop, start + self.max_load_blocks)
+
+    def num_blocks_to_load(self, runs: Sequence[TierRun], *, count: bool = True) -> int:
+        """How many leading blocks of ``runs`` (a lookup's tier runs, in order) to load; the rest
+        are recomputed. ``count``: admission's decision (counted, and probes taken), not a
+        prefetch's early look (admission decides again on what the prefetch left out)."""
+        total = sum(run.num_blocks for run in runs)
+        with self._lock:
+            best = self._best_cut(runs, count) if self.policy == "cost" and total else total
+            if count:
+                self.counters["skipped_blocks"] += total - best
+        return best
+
+    def stats(self) -> dict:
+        """The decisions' counters and the estimates (None: fewer than ``min_samples`` samples)."""
+        with self._lock:
+            out = {name: self.counters[name] for name in ("skipped_blocks", "probes")}
+            out["policy"] = self.policy
+            out["prefill_s_per_token"] = self._estimate(self._prefill)
+            out["load_s_per_block"] = {name: self._estimate(m) for name, m in zip(self.tier_names, self._loads)}
+        return out
+
+    # -- helpers -----------------------------------------------------------------------------
+    def _estimate(self, mean: _Mean) -> float | None:
+        return mean.value if mean.num_samples >= self.min_samples else None
+
+    def _best_cut(self, runs: Sequence[TierRun], count: bool) -> int:
+        """The cut (a run boundary) that saves the most expected time; with ``count``, a tier
+        skipped ``probe_every`` times counts as unmeasured once (a probe)."""
+        per_token = self._estimate(self._prefill)
+        if per_token is None:
+            return sum(run.num_blocks for run in runs)
+        recompute_s = per_token * self.block_size  # one block's tokens
+        best = pos = 0
+        best_saving = saving = 0.0
+        probes = set()
+        for run in runs:
+            load_s = self._estimate(self._loads[run.tier_index])
+            if count and load_s is not None and self._num_skips[run.tier_index] >= self.probe_every:
+                probes.add(run.tier_index)
+                load_s = None  # NOTE: this load measures the tier again, in case it got faster
+            saving += run.num_blocks * (recompute_s - (load_s or 0.0))
+            pos += run.num_blocks
+            if saving >= best_saving:  # ties load: the prior
+                best, best_saving = pos, saving
+        if count:
+            pos = 0
+            for run in runs:
+                is_loaded = pos < best
+                self._num_skips[run.tier_index] = 0 if is_loaded else self._num_skips[run.tier_index] + 1
+                if is_loaded and run.tier_index in probes:
+                    self.counters["probes"] += 1
+                    probes.discard(run.tier_index)
+                pos += run.num_blocks
+        return best

@@ -1,0 +1,99 @@
+"""The reload-or-recompute cost model: measurements injected by hand, so every decision is exact."""
+from __future__ import annotations
+
+import pytest
+
+from corekv.offload.cost import ReloadCost
+from corekv.offload.prefetch import TierRun
+
+BLOCK = 16
+#: recomputing a block costs 16 ms (1 ms a token)
+PREFILL_S_PER_TOKEN = 1e-3
+
+
+def measured(policy="cost", *, host_s=1e-4, lmdb_s=None, remote_s=None, **kwargs) -> ReloadCost:
+    """A model over tiers host, lmdb, remote that saw 4 samples of each cost given (s per block)."""
+    cost = ReloadCost(["host", "lmdb", "remote"], BLOCK, policy=policy, min_samples=4, **kwargs)
+    for _ in range(4):
+        cost.observe_step(64, 64 * PREFILL_S_PER_TOKEN)
+        for index, seconds in enumerate((host_s, lmdb_s, remote_s)):
+            if seconds is not None:
+                cost.observe_load(index, 2, 2 * seconds)
+    return cost
+
+
+def test_unmeasured_tiers_and_an_unmeasured_engine_load_everything():
+    cost = ReloadCost(["host", "remote"], BLOCK, policy="cost", min_samples=4)
+    runs = [TierRun(0, 3), TierRun(1, 5)]
+    assert cost.num_blocks_to_load(runs) == 8  # nothing measured: the prior is "reload"
+    for _ in range(3):
+        cost.observe_step(64, 1.0)
+        cost.observe_load(1, 1, 100.0)
+    assert cost.num_blocks_to_load(runs) == 8  # 3 samples are not enough yet
+    assert cost.stats()["load_s_per_block"] == {"host": None, "remote": None}
+
+
+def test_a_run_slower_than_recompute_is_cut_with_everything_after_it():
+    cost = measured(host_s=1e-4, remote_s=0.05)  # remote: 50 ms a block against 16 ms recompute
+    assert cost.num_blocks_to_load([TierRun(0, 3), TierRun(2, 4)]) == 3
+    assert cost.num_blocks_to_load([TierRun(2, 4), TierRun(0, 1)]) == 0
+    stats = cost.stats()
+    assert stats["skipped_blocks"] == 4 + 5
+    assert stats["load_s_per_block"]["remote"] == pytest.approx(0.05)
+    assert stats["prefill_s_per_token"] == pytest.approx(PREFILL_S_PER_TOKEN)
+
+
+def test_a_slow_run_is_loaded_when_a_fast_run_behind_it_wins_the_time_back():
+    cost = measured(host_s=0.0, remote_s=0.020)  # remote loses 4 ms a block, host saves 16 ms
+    assert cost.num_blocks_to_load([TierRun(2, 2), TierRun(0, 1)]) == 3   # -8 ms + 16 ms > 0
+    assert cost.num_blocks_to_load([TierRun(2, 5), TierRun(0, 1)]) == 0   # -20 ms + 16 ms < 0
+
+
+def test_a_tier_faster_than_recompute_loads_and_always_loads_whatever_it_costs():
+    assert measured(lmdb_s=0.010).num_blocks_to_load([TierRun(1, 6)]) == 6
+    always = measured("always", remote_s=10.0)
+    assert always.num_blocks_to_load([TierRun(2, 6)]) == 6
+    assert always.stats()["skipped_blocks"] == 0
+
+
+def test_estimates_follow_recent_samples():
+    cost = measured(remote_s=0.05, weight=0.5)
+    assert cost.num_blocks_to_load([TierRun(2, 1)]) == 0
+    for _ in range(6):  # the tier recovered
+        cost.observe_load(2, 4, 4 * 1e-3)
+    assert cost.num_blocks_to_load([TierRun(2, 1)]) == 1
+
+
+def test_a_skipped_tier_is_probed_again_after_probe_every_skips():
+    cost = measured(remote_s=0.05, probe_every=3)
+    decisions = [cost.num_blocks_to_load([TierRun(2, 2)]) for _ in range(8)]
+    assert decisions == [0, 0, 0, 2, 0, 0, 0, 2]
+    assert cost.stats()["probes"] == 2
+
+
+def test_a_prefetch_look_is_not_counted_and_never_probes():
+    cost = measured(remote_s=0.05, probe_every=1)
+    cost.num_blocks_to_load([TierRun(2, 2)])
+    assert [cost.num_blocks_to_load([TierRun(2, 2)], count=False) for _ in range(3)] == [0, 0, 0]
+    assert cost.stats()["skipped_blocks"] == 2
+
+
+def test_short_steps_are_not_prefill_samples():
+    cost = ReloadCost(["host"], BLOCK, policy="cost", min_samples=1)
+    cost.observe_step(BLOCK - 1, 1.0)
+    assert cost.stats()["prefill_s_per_token"] is None
+
+
+def test_max_load_tokens_caps_whole_blocks_from_the_start():
+    assert ReloadCost(["host"], BLOCK, max_load_tokens=40).limit(3, 100) == 5  # 40 tokens: 2 blocks
+    assert ReloadCost(["host"], BLOCK, max_load_tokens=0).limit(3, 100) == 3
+    assert ReloadCost(["host"], BLOCK).limit(3, 100) == 100
+
+
+@pytest.mark.parametrize("kwargs, word", [({"policy": "cheapest"}, "policy"),
+                                          ({"max_load_tokens": -1}, "max_load_tokens"),
+                                          ({"max_load_tokens": True}, "max_load_tokens"),
+                                          ({"min_samples": 0}, "min_samples")])
+def test_bad_arguments_are_refused_by_name(kwargs, word):
+    with pytest.raises(ValueError, match=word):
+        ReloadCost(["host"], BLOCK, **kwargs)
