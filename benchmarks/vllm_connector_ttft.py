@@ -306,13 +306,15 @@ def main() -> None:
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--prompt-tokens", type=int, nargs="+", default=[2048, 8000])
     ap.add_argument("--cases", nargs="+", default=CASES, choices=CASES)
-    ap.add_argument("--out", required=True, help="results JSON (every run, medians, profile, CPU)")
+    ap.add_argument("--out", help="results JSON (every run, medians, profile, CPU); required")
     ap.add_argument("--markdown", action="store_true", help="print the table as markdown")
     ap.add_argument("--keep", action="store_true", help="keep the scratch folder (stores, logs)")
     args = ap.parse_args()
     if args.child:
         child(*args.child)
         return
+    if not args.out:
+        ap.error("--out is required: the results JSON")
     if max(args.prompt_tokens) > MAX_MODEL_LEN - 1:
         ap.error(f"--prompt-tokens must be below max_model_len {MAX_MODEL_LEN}")
     scratch = Path(tempfile.mkdtemp(prefix="corekv-vllm-ttft-", dir="/tmp"))
