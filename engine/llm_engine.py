@@ -207,9 +207,13 @@ class Engine:
         if any(seq.is_finished for seq in seqs):  # NOTE: aborted because its sampling failed
             kept = [(seq, t) for seq, t in zip(seqs, token_ids) if not seq.is_finished]
             seqs, token_ids = [seq for seq, _ in kept], [t for _, t in kept]
-        if self.speculative is not None and batch:  # NOTE: after sampling, which waits for the device
-            self.speculative.observe_step(sum(i.num_tokens + len(i.draft_token_ids) for i in batch),
-                                          time.perf_counter() - started)
+        if batch:  # NOTE: after sampling, which waits for the device
+            seconds = time.perf_counter() - started
+            num_tokens = sum(i.num_tokens + len(i.draft_token_ids) for i in batch)
+            if self.speculative is not None:
+                self.speculative.observe_step(num_tokens, seconds)
+            if self.offload is not None:
+                self.offload.cost.observe_step(num_tokens, seconds)  # recompute's price, for reloads
         finished = self.scheduler.postprocess(seqs, token_ids)
         self.num_steps += bool(batch)
         return self._after_step(finished)
@@ -387,6 +391,7 @@ class Engine:
             "tiers": self.offload.stats() if self.offload is not None else {},
             "tiers_not_started": dict(self.tiers_not_started),
             "prefetch": self.offload.prefetch_stats() if self.offload is not None else {},
+            "reload": self.offload.cost.stats() if self.offload is not None else {},
             "speculative": self.speculative.stats() if self.speculative is not None else dict(SPECULATIVE_OFF),
         }
 

@@ -97,3 +97,23 @@ def test_max_load_tokens_caps_whole_blocks_from_the_start():
 def test_bad_arguments_are_refused_by_name(kwargs, word):
     with pytest.raises(ValueError, match=word):
         ReloadCost(["host"], BLOCK, **kwargs)
+
+
+@pytest.mark.parametrize("cache, message", [
+    ({"reload_policy": "cheap"}, "cache.reload_policy: got 'cheap'; expected one of always, cost"),
+    ({"max_load_tokens": -3}, "cache.max_load_tokens: got -3; expected an integer >= 0"),
+    ({"max_load_token": 3}, "did you mean 'max_load_tokens'"),
+])
+def test_the_config_fields_are_checked_by_name(cache, message):
+    import corekv
+
+    with pytest.raises(corekv.ConfigError) as e:
+        corekv.load_config({"cache": cache})
+    assert message in str(e.value)
+
+
+def test_the_default_is_cost_without_a_cap():
+    import corekv
+
+    cache = corekv.load_config({}).cache
+    assert (cache.reload_policy, cache.max_load_tokens) == ("cost", None)

@@ -182,6 +182,11 @@ class CacheConfig:
     prefetch_blocks: int | None = _field(None, "most blocks read ahead from the tiers into host "
                                          "staging when requests arrive (unset: the device pool's "
                                          "size; 0 turns prefetch off)", minimum=0)
+    reload_policy: str = _field("cost", "which tier hits a request loads: all of them (always), or "
+                                "only where the measured load time beats recomputing the tokens "
+                                "(cost; unmeasured tiers load)", choices=("always", "cost"))
+    max_load_tokens: int | None = _field(None, "most tokens a request loads from the tiers (whole "
+                                         "blocks; the rest are recomputed); unset: no cap", minimum=0)
     pinned: tuple[PinnedPrefix, ...] = _field((), "prefixes warmed and pinned when an engine starts")
     tiers: tuple[TierConfig, ...] = _field((), "storage tiers below the device pool, searched in order")
     integrity: IntegrityConfig = _field(help="keyed integrity of tier entries",

@@ -10,6 +10,7 @@ import logging
 
 from corekv.config import CacheConfig
 from corekv.errors import ConfigError, PluginError
+from corekv.offload.cost import ReloadCost
 from corekv.offload.facade import Offload
 from corekv.tier import Tier
 from corekv.tier_factory import make_tier
@@ -94,7 +95,9 @@ def make_offload(cache: CacheConfig, plugin_manager, *, fingerprint: str, dtype:
     try:
         offload = Offload(tiers, kv_pool, write_policy=cache.write_policy, offload_min_hits=cache.offload_min_hits,
                           queue_blocks=cache.offload_queue_blocks, hooks=plugin_manager.hook,
-                          prefetch_blocks=cache.prefetch_blocks, swap_tier=swap_tier, backend=backend)
+                          prefetch_blocks=cache.prefetch_blocks, swap_tier=swap_tier, backend=backend,
+                          reload_cost=ReloadCost([t.name for t in tiers], kv_pool.block_size,
+                                                 policy=cache.reload_policy, max_load_tokens=cache.max_load_tokens))
     except ValueError as e:
         raise ConfigError(f"cache.tiers needs a backend that reports evicted blocks' hashes: {e} "
                           "(for radix: set cache.backend_options.track_hashes: true)") from e

@@ -46,6 +46,7 @@ from corekv.integrations.vllm.metadata import BlockLoad, BlockSave, StepPlan, St
 from corekv.integrations.vllm.settings import ConnectorSettings
 from corekv.integrations.vllm.shared_tiers import open_tiers, release_tiers, scheduler_started
 from corekv.offload import TierRun, lookup_runs
+from corekv.offload.cost import ReloadCost
 from corekv.offload.planner import OffloadPlanner
 
 __all__ = ["SchedulerSide"]
@@ -100,6 +101,9 @@ class SchedulerSide:
                                "lmdb, redis or fsspec tiers with vLLM's multiprocess executor)", unseen)
             tiers = [t for t in tiers if t.is_shared]
         self.tiers = tiers
+        #: corekv's reload cost model; it sees no timings here, so it applies cache.max_load_tokens
+        self.cost = ReloadCost([t.name for t in tiers], self.block_size, policy=settings.cache.reload_policy,
+                               max_load_tokens=settings.cache.max_load_tokens)
         self.requests: dict[str, _Request] = {}
         #: request id -> (key, device tokens, tier runs) of its last lookup, until its allocation
         self._lookups: dict[str, tuple[PrefixKey, int, list]] = {}
@@ -133,7 +137,7 @@ class SchedulerSide:
             return 0
         hashes = key.block_hashes
         first = num_computed_tokens // self.block_size
-        limit = (request.num_tokens - 1) // self.block_size
+        limit = self.cost.limit(first, (request.num_tokens - 1) // self.block_size)
         runs, pos = [], first
         while pos < limit:
             found_runs = lookup_runs(self.tiers, hashes, pos, limit)
