@@ -68,7 +68,7 @@ def cmd_doctor(args: argparse.Namespace) -> int:
         folder = native.build_directory()
         is_built = (folder / "corekv_native.so").is_file()
         if not is_built and compiler:
-            pending.append("build the native kernels (1-3 minutes on 2 CPUs)")
+            pending.append("build the native kernels (a minute or more)")
         lines.append(("native kernels", f"{folder} ({'built' if is_built else 'not built'})"))
     plans = gemm_plan.cache_path()
     lines.append(("GEMM plans", f"{plans} ({'present' if plans.is_file() else 'none yet: timed on the first start'})"))

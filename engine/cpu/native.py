@@ -200,7 +200,7 @@ def _build():
         try:
             folder.mkdir(parents=True, exist_ok=True)
             with (contextlib.nullcontext() if is_built else progress.phase(
-                    "building corekv's native kernels (once per environment, 1-3 minutes on a small machine)")):
+                    "building corekv's native kernels (once per environment; a minute, more on a busy machine)")):
                 _module = cpp_extension.load(name="corekv_native", sources=[str(path) for path in SOURCES],
                                              extra_cflags=_cflags(), extra_ldflags=["-fopenmp"],
                                              build_directory=str(folder))
