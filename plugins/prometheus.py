@@ -73,6 +73,7 @@ class PrometheusExporter:
         if engine is not None:
             self._add_pool_gauges(prom)
             self.registry.register(_SpeculativeCollector(self._engine))
+            self.registry.register(_ReloadCollector(self._engine))
 
     # -- hook implementations (registered per engine) ----------------------------------------
     @hookimpl
@@ -173,6 +174,36 @@ class _SpeculativeCollector:
         yield GaugeMetricFamily("corekv_spec_decode_mean_acceptance_length",
                                 "Tokens per verification, the target's own included (0 before any)",
                                 value=stats.get("mean_acceptance_length", 0.0))
+
+
+class _ReloadCollector:
+    """Reload or recompute (``engine.stats()["reload"]``), read at each scrape:
+    ``corekv_reload_skipped_blocks_total`` (tier hits recomputed because that was cheaper),
+    ``corekv_reload_probes_total`` (skipped tiers loaded again to re-measure them), and the gauges
+    ``corekv_reload_load_seconds_per_block{tier}`` and ``corekv_reload_prefill_seconds_per_token``
+    once measured. Counters are 0 without tiers."""
+
+    def __init__(self, engine_ref: Any):
+        self._engine = engine_ref
+
+    def collect(self):
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+        offload = getattr(self._engine(), "offload", None)
+        stats = offload.cost.stats() if offload is not None else {}
+        yield CounterMetricFamily("corekv_reload_skipped_blocks", "Tier hits recomputed because that was cheaper",
+                                  value=stats.get("skipped_blocks", 0))
+        yield CounterMetricFamily("corekv_reload_probes", "Skipped tiers loaded again to re-measure them",
+                                  value=stats.get("probes", 0))
+        per_block = GaugeMetricFamily("corekv_reload_load_seconds_per_block",
+                                      "Measured seconds to load one block, per tier", labels=["tier"])
+        for tier, seconds in stats.get("load_s_per_block", {}).items():
+            if seconds is not None:
+                per_block.add_metric([tier], seconds)
+        yield per_block
+        if stats.get("prefill_s_per_token") is not None:
+            yield GaugeMetricFamily("corekv_reload_prefill_seconds_per_token",
+                                    "Measured prefill seconds per token", value=stats["prefill_s_per_token"])
 
 
 def exporter_for(engine: Any) -> PrometheusExporter | None:

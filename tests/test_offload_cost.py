@@ -112,8 +112,8 @@ def test_the_config_fields_are_checked_by_name(cache, message):
     assert message in str(e.value)
 
 
-def test_the_default_is_cost_without_a_cap():
+def test_the_default_loads_every_hit_without_a_cap():
     import corekv
 
     cache = corekv.load_config({}).cache
-    assert (cache.reload_policy, cache.max_load_tokens) == ("cost", None)
+    assert (cache.reload_policy, cache.max_load_tokens) == ("always", None)

@@ -19,6 +19,7 @@ from prometheus_client.parser import text_string_to_metric_families  # noqa: E40
 from corekv.engine.llm_engine import Engine  # noqa: E402
 from corekv.engine.tiny_model import make_tiny_llama  # noqa: E402
 from corekv.engine.sampling import SamplingParams  # noqa: E402
+from corekv.offload import TierRun  # noqa: E402
 from corekv.plugin import make_plugin_manager  # noqa: E402
 from corekv.plugins import prometheus  # noqa: E402
 from corekv.plugins.prometheus import PORT_ENV, PrometheusExporter, exporter_for  # noqa: E402
@@ -108,6 +109,25 @@ def test_speculative_decoding_counters_follow_the_engine_stats(tiny):
     assert got[("corekv_spec_decode_mean_acceptance_length", ())] == pytest.approx(stats["mean_acceptance_length"])
     with make_engine(tiny) as engine:
         assert samples(exporter_for(engine))[("corekv_spec_decode_accepted_tokens_total", ())] == 0
+
+
+def test_reload_decisions_follow_the_engine_stats(tiny, tmp_path):
+    config = {"model": "tiny", "engine": {"num_blocks": 64, "block_size": 16},
+              "cache": {"reload_policy": "cost", "tiers": [{"type": "host", "size": "4MiB"}]}}
+    with Engine.from_config(config, model=tiny) as engine:
+        exporter = exporter_for(engine)
+        assert samples(exporter)[("corekv_reload_skipped_blocks_total", ())] == 0
+        cost = engine.offload.cost
+        for _ in range(cost.min_samples):  # injected: a host tier 1 s a block, prefill 1 ms a token
+            cost.observe_load(0, 1, 1.0)
+            cost.observe_step(64, 0.064)
+        assert cost.num_blocks_to_load([TierRun(0, 3)]) == 0
+        got = samples(exporter)
+    assert got[("corekv_reload_skipped_blocks_total", ())] == 3
+    assert got[("corekv_reload_load_seconds_per_block", (("tier", "host"),))] == pytest.approx(1.0)
+    assert got[("corekv_reload_prefill_seconds_per_token", ())] == pytest.approx(1e-3)
+    with make_engine(tiny) as engine:  # no tiers
+        assert samples(exporter_for(engine))[("corekv_reload_skipped_blocks_total", ())] == 0
 
 
 def test_each_engine_has_its_own_registry(tiny):

@@ -182,7 +182,7 @@ class CacheConfig:
     prefetch_blocks: int | None = _field(None, "most blocks read ahead from the tiers into host "
                                          "staging when requests arrive (unset: the device pool's "
                                          "size; 0 turns prefetch off)", minimum=0)
-    reload_policy: str = _field("cost", "which tier hits a request loads: all of them (always), or "
+    reload_policy: str = _field("always", "which tier hits a request loads: all of them (always), or "
                                 "only where the measured load time beats recomputing the tokens "
                                 "(cost; unmeasured tiers load)", choices=("always", "cost"))
     max_load_tokens: int | None = _field(None, "most tokens a request loads from the tiers (whole "
