@@ -378,3 +378,33 @@ def test_prepare_converts_the_model_so_that_doctor_finds_nothing_left(tmp_path):
     result = run("doctor", env=env, cwd=tmp_path)
     assert f"(converted: {tmp_path / 'cache' / 'models'}/SmolLM2-135M-Instruct.Q4_1-" in result.stdout
     assert result.stdout.rstrip().endswith("the next start reads everything from the caches")
+
+
+@pytest.mark.slow
+def test_generate_streams_on_a_terminal_the_text_it_prints_when_piped(tmp_path):
+    """stdout a pseudo-terminal: the answer is printed as it is generated, ending as the piped
+    output does (the whole text and a newline)."""
+    import pty
+
+    args = ("generate", "--chat", "--prompt", "Name three colors.", "--max-tokens", "12")
+    env = {**os.environ, "COREKV_DEVICE": "cpu", "COREKV_QUIET": "1"}
+    piped = run(*args, env=env, cwd=tmp_path)
+    assert piped.returncode == 0, piped.stderr
+    main_fd, child_fd = pty.openpty()
+    try:
+        proc = subprocess.run([str(SCRIPT), *args], stdout=child_fd, stderr=subprocess.PIPE, env=env,
+                              cwd=tmp_path, timeout=600)
+        os.close(child_fd)
+        chunks = []
+        while True:
+            try:
+                chunk = os.read(main_fd, 4096)
+            except OSError:  # EIO: the terminal's other side is closed and drained
+                break
+            if not chunk:
+                break
+            chunks.append(chunk)
+    finally:
+        os.close(main_fd)
+    assert proc.returncode == 0, proc.stderr
+    assert b"".join(chunks).decode().replace("\r\n", "\n") == piped.stdout

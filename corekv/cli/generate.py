@@ -70,15 +70,19 @@ def cmd_generate(args: argparse.Namespace) -> int:
     cfg, plugin_manager = read_config_arg(args)
     prompt: Any = [{"role": "user", "content": args.prompt}] if args.chat else args.prompt
     params = corekv.SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature)
+    # NOTE: on a terminal the answer appears as it is generated; piped, it is printed whole (the same text)
+    is_streamed = not args.json and sys.stdout.isatty()
     with corekv.Engine.from_config(cfg, plugin_manager=plugin_manager) as engine:
-        out = engine.generate([prompt], params, cache_salt=args.salt)[0]
+        out = (_generate_streaming(engine, prompt, params, args.salt) if is_streamed
+               else engine.generate([prompt], params, cache_salt=args.salt)[0])
         stats = engine.stats() if args.json or args.stats else None
     if args.json:
         print(json.dumps({"text": out.text, "num_cached_tokens": out.num_cached_tokens,
                           "cached_tokens_by_tier": out.cached_tokens_by_tier, "ttft_s": out.ttft_s,
                           "stats": stats}, indent=2, default=str))
         return 0
-    print(out.text)
+    if not is_streamed:
+        print(out.text)
     if args.stats:
         by_tier = ", ".join(f"{k}={v}" for k, v in out.cached_tokens_by_tier.items()) or "none"
         ttft = f"{out.ttft_s:.3f}s" if out.ttft_s is not None else "n/a"
@@ -88,6 +92,23 @@ def cmd_generate(args: argparse.Namespace) -> int:
                      f"time to first token: {ttft}"):
             print(line, file=sys.stderr)
     return 0
+
+
+def _generate_streaming(engine: Any, prompt: Any, params: Any, salt: str | None) -> Any:
+    """Run one request, printing its text as it comes; returns its output (the text ends with a
+    newline on stdout, as the whole answer printed at once would)."""
+    request_id = engine.add_request(prompt, params, cache_salt=salt)
+    stream = engine.text_stream(request_id)
+    printed = ""
+    while True:
+        finished = [o for o in engine.step() if o.request_id == request_id]
+        for _, delta in stream.deltas():
+            printed += delta
+            print(delta, end="", flush=True)
+        if finished:
+            out = finished[0]
+            print(out.text[len(printed):] if out.text.startswith(printed) else "")
+            return out
 
 
 def cmd_warm(args: argparse.Namespace) -> int:
