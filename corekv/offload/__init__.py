@@ -17,7 +17,9 @@ Where an evicted block goes, and how it comes back — the life of one block:
 4. **Reloaded.** At admission (:meth:`Offload.load`) the staged rows are copied into the fresh
    pool blocks in one batch and whatever was not staged is read synchronously; an entry that
    fails its checks is a miss, deleted, and that block and the rest are recomputed. The engine
-   then caches the reloaded blocks like computed ones, so step 1 applies again.
+   then caches the reloaded blocks like computed ones, so step 1 applies again. How many of the
+   hits are worth loading rather than recomputing (and ``cache.max_load_tokens``) is the reload
+   cost model's call (:mod:`~corekv.offload.cost`), from the tier reads and steps it timed.
 
 Swap preemption parks a preempted sequence's blocks in the host tier (:mod:`~corekv.offload.swap`,
 :meth:`Offload.park` / :meth:`Offload.unpark`); :func:`make_offload` builds it all from
