@@ -1,6 +1,7 @@
 """Model loading: the ``smollm2-135m-instruct`` alias, local Hugging Face folders and ``.gguf`` files.
 
-:func:`load_model` gives a :class:`LoadedModel` (checked, moved, fingerprinted);
+:func:`load_model` gives a :class:`LoadedModel` (checked, moved, fingerprinted; a ``.gguf`` file is
+read from its safetensors conversion, made once: :mod:`corekv.engine.gguf_cache`);
 :func:`load_tokenizer` gives the tokenizer alone (what ``corekv route`` needs). Prompts become
 token ids in :mod:`corekv.engine.prompts`; the tiny random test model is
 :mod:`corekv.engine.tiny_model`'s.
