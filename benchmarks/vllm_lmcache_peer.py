@@ -53,6 +53,12 @@ vLLM process itself for its process tree and the LMCache server. Tokens hit: the
 ``num_cached_tokens`` and vLLM's own counters split into its device prefix cache and the
 connector (``external_prefix_cache_hits``); for LMCache also its server's
 ``lmcache_mp_l1_{read,write}_chunks_total``.
+
+Run time, measured on the 2-core AMD EPYC (Zen 4) this was written on while other jobs kept its
+load average at 6-11: ``--quick`` 13-14 min; one full run 32 min (columns 11, 5, 7 and 9 min).
+The vLLM workers' CPU seconds in that full run add up to about 17 min with vLLM's start-ups, so an
+idle machine should take about that; not yet measured. ``--docs``, ``--users``, ``--rounds`` scale it.
+The scratch folder (``--keep``) holds every process's log and per-request records.
 """
 from __future__ import annotations
 
@@ -724,7 +730,8 @@ def main() -> None:
     driver = Driver(a, scratch)
     shm = shm_tier_available(sys.executable)
     result = {"settings": {k: v for k, v in vars(a).items() if k not in ("child", "seeds")} | {"seeds": str(a.seeds)},
-              "cpu": cpu_description(), "versions": versions(sys.executable), "start": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())}
+              "cpu": cpu_description(), "versions": versions(sys.executable),
+              "start": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())}
     runs, raw = [], []
     try:
         for run in range(a.runs):
