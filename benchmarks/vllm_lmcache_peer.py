@@ -471,6 +471,8 @@ class Driver:
         if rc != 0 or not out.exists():
             raise RuntimeError(f"vLLM process {tag} failed ({rc}); log {log}:\n{text[-5000:]}")
         result = json.loads(out.read_text())
+        for pid in result["processes"]:  # NOTE: Intel OpenMP's registration files of the killed processes
+            remove_paths(Path("/dev/shm").glob(f"__KMP_REGISTERED_LIB_{pid}_*"))
         result["omp_binding"] = [line.strip() for line in text.splitlines() if "core ids=" in line][:2]
         return result
 
