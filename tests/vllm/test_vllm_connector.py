@@ -147,6 +147,7 @@ def test_damaged_or_moved_entries_are_recomputed_never_served(reference, vllm_mo
     (run,) = out["runs"]
     assert run["token_ids"] == reference[0]["token_ids"]
     assert "did not load" in log  # reported to vLLM, which recomputed them
+    assert run["num_cached_tokens"] < full_blocks(run["prompt_len"])  # and not counted as cached
     # the rejected entries are gone and were written again by the recompute: a third run is all hits
     out, log = run_vllm(spec, tmp_path / "healed", vllm_scratch)
     assert out["runs"][0]["num_cached_tokens"] == full_blocks(run["prompt_len"])

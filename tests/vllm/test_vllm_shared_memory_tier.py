@@ -149,6 +149,8 @@ def test_damaged_shm_entries_are_recomputed_never_served(reference, vllm_model, 
         _tamper(path)
         out, log = run_vllm(spec, tmp_path / "tampered", vllm_scratch)
         assert out["runs"][0]["token_ids"] == reference[0]["token_ids"]
+        # only the blocks that loaded count as cached (the rest were recomputed)
+        assert out["runs"][0]["num_cached_tokens"] < full_blocks(out["runs"][0]["prompt_len"])
         assert "did not load" in log, "\n".join(line for line in log.splitlines() if "corekv" in line or "tier" in line)
     finally:
         shutil.rmtree(path, ignore_errors=True)

@@ -43,17 +43,22 @@ class StepPlan(KVConnectorMetadata):
 @dataclass
 class StepReport(KVConnectorWorkerMetadata):
     """Worker -> scheduler, since the last report: the blocks each tier stored (``{tier name:
-    [block hash]}``, for the scheduler's KV events) and the blocks whose writes ended, whatever
-    the outcome (``done``: no lookup waits on them any more)."""
+    [block hash]}``, for the scheduler's KV events), the blocks whose writes ended, whatever
+    the outcome (``done``: no lookup waits on them any more), and the loads that failed."""
 
     stored: dict[str, list[bytes]] = field(default_factory=dict)
     done: list[bytes] = field(default_factory=list)
+    #: request id -> blocks of its planned load that did not load (vLLM recomputes them)
+    load_failures: dict[str, int] = field(default_factory=dict)
 
     def aggregate(self, other: "StepReport") -> "StepReport":
         merged = {name: list(hashes) for name, hashes in self.stored.items()}
         for name, hashes in other.stored.items():
             merged.setdefault(name, []).extend(hashes)
-        return StepReport(stored=merged, done=self.done + other.done)
+        failures = dict(self.load_failures)
+        for req_id, num in other.load_failures.items():
+            failures[req_id] = failures.get(req_id, 0) + num
+        return StepReport(stored=merged, done=self.done + other.done, load_failures=failures)
 
 
 @dataclass

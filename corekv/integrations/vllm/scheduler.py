@@ -60,6 +60,22 @@ IN_FLIGHT_RUN = -1
 _SOURCES = {"host": CacheHitSource.HOST, "shm": CacheHitSource.HOST, "lmdb": CacheHitSource.DISK}
 
 
+def _uncount_failed_load(request, num_tokens: int) -> None:
+    """``num_tokens`` that vLLM counted as external hits at admission did not load and are
+    recomputed: take them off the request's prefill statistics (its ``num_cached_tokens``).
+
+    NOTE: vLLM 0.32 sets these statistics when it schedules a request and does not revise them
+    when it recovers from a load failure; the request's output, skipped in the step that failed,
+    takes them in a later step, after this report."""
+    stats = getattr(request, "prefill_stats", None)
+    if stats is None:
+        return
+    num_tokens = min(num_tokens, stats.num_external_cached_tokens)
+    stats.num_external_cached_tokens -= num_tokens
+    stats.num_cached_tokens -= num_tokens
+    stats.num_computed_tokens += num_tokens
+
+
 def _split_runs(runs, num_blocks: int, block_size: int) -> dict[int, int]:
     """``{tier index: tokens}`` of the first ``num_blocks`` blocks of a lookup's tier runs."""
     split: dict[int, int] = {}
@@ -279,6 +295,10 @@ class SchedulerSide:
             for h in hashes:
                 self._event_fields.pop(h, None)
         self.planner.completed(report.done)
+        for req_id, num_blocks in report.load_failures.items():
+            state = self.requests.get(req_id)
+            if state is not None:
+                _uncount_failed_load(state.request, num_blocks * self.block_size)
 
     def reset_cache(self) -> bool:
         """vLLM's ``reset_prefix_cache(reset_connector=True)``: a new key space for this process,

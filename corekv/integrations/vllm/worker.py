@@ -63,6 +63,7 @@ class WorkerSide:
         self.offload: Offload | None = None
         self._reports = _WriteReports()
         self._load_errors: set[int] = set()
+        self._load_failures: dict[str, int] = {}  # request id -> blocks that did not load
         self._saved_requests: set[str] = set()
         self.counters: Counter[str] = Counter()
 
@@ -87,6 +88,7 @@ class WorkerSide:
         if self.offload is None:
             for load in plan.loads:
                 self._load_errors.update(load.block_ids)
+                self._load_failures[load.req_id] = len(load.block_ids)
             return
         for load in plan.loads:
             loaded = self.offload.load_blocks(load.block_hashes, load.block_ids)
@@ -95,6 +97,7 @@ class WorkerSide:
             if num < len(load.block_ids):
                 failed = load.block_ids[num:]
                 self._load_errors.update(failed)
+                self._load_failures[load.req_id] = self._load_failures.get(load.req_id, 0) + len(failed)
                 self.counters["load_errors"] += len(failed)
                 # NOTE: vLLM recomputes these blocks and the scheduler saves them again; their
                 # entries go first, since a damaged entry after the first would otherwise stay
@@ -128,7 +131,12 @@ class WorkerSide:
         return errors
 
     def report(self) -> StepReport | None:
-        return self._reports.take()
+        report, failures = self._reports.take(), self._load_failures
+        if failures:
+            self._load_failures = {}
+            report = report or StepReport()
+            report.load_failures = failures
+        return report
 
     def take_counters(self) -> dict[str, int]:
         """The counters since the last call (for vLLM's stats)."""
