@@ -72,7 +72,8 @@ def test_vllms_decoder_reads_what_corekvs_publisher_sends(tiny_model_folder):
     config = load_config({"model": "tiny", "engine": {"num_blocks": 12, "block_size": BS},
                           "cache": {"backend": "radix"},
                           "kv_events": {"enabled": True, "endpoint": "tcp://127.0.0.1:0",
-                                        "replay_endpoint": "tcp://127.0.0.1:0"}}, env={})
+                                        "replay_endpoint": "tcp://127.0.0.1:0",
+                                        "include_token_ids": True}}, env={})  # off by default
     prompts = [[3 + (40 * n + i) % 250 for i in range(3 * BS + 1)] for n in range(5)]
     greedy = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
     with Engine(config, model=load_model(str(tiny_model_folder), device="cpu")) as engine:
