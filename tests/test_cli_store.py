@@ -4,6 +4,7 @@ blocks reloaded from LMDB by a second process."""
 from __future__ import annotations
 
 import json
+import re
 import os
 import subprocess
 import sys
@@ -228,7 +229,10 @@ def test_warm_several_prompts_prints_the_total_and_the_stats_as_json(tmp_path, t
     assert main(["warm", "--config", str(path), "--prompts-file", str(prompts_file),
                  "--prompt", PROMPTS[1], "--stats", "--json"]) == 0
     captured = capsys.readouterr()
-    count = int(captured.out.removeprefix("warmed ").removesuffix(" prompt tokens in 2 prompts\n"))
+    found = re.fullmatch(r"warmed (\d+) prompt tokens in 2 prompts: kept in tier lmdb for later processes\n",
+                         captured.out)
+    assert found, captured.out
+    count = int(found.group(1))
     stats = json.loads(captured.err)
     assert count > 0 and count % 4 == 0
     assert stats["prompt_tokens"] >= count and "lmdb" in stats["tiers"]
