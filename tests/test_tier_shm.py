@@ -56,7 +56,7 @@ def open_tier(path, size=4 * 1024**2, **kwargs):
 def test_registered_as_a_plugin_with_defaults_on_dev_shm(shm_path):
     spec = make_plugin_manager().tiers()["shm"]
     assert spec.options["path"].default == "/dev/shm/corekv"
-    with make_tier(spec, {"path": shm_path, "size": "1MiB"}, block_bytes=4096, fingerprint=FINGERPRINT) as tier:
+    with make_tier(spec, {"path": shm_path, "size": 1024**2}, block_bytes=4096, fingerprint=FINGERPRINT) as tier:
         assert isinstance(tier, ShmTier) and tier.is_shared and tier.is_persistent
         assert tier.capacity_bytes == 1024**2 and tier.name == "shm"
     assert spec.admin is ShmAdmin
