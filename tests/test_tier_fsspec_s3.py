@@ -203,3 +203,27 @@ def test_the_deadline_is_per_call_so_a_large_batch_on_a_healthy_store_completes(
         assert tier.stats()["errors"] == 0
     # NOTE: one call at a time: the batch as a whole outlasts one timeout, each call does not
     assert elapsed > 0.3, f"160 sequential GETs took {elapsed:.2f} s: the test cannot tell the deadlines apart"
+
+
+def test_a_required_s3_tier_starts_only_when_its_endpoint_answers(
+        s3_bucket, s3_endpoint, stalled_endpoint, tmp_path):  # noqa: F811
+    """make_tiers with required: true: moto answers (the tier starts), a stalled endpoint does not
+    (a ConfigError naming the field, after one deadline)."""
+    import corekv
+    from corekv.offload import make_tiers
+
+    kwargs = dict(fingerprint="ab" * 16, dtype="uint8", block_bytes=BLOCK, shape=(BLOCK,))
+    for endpoint, answers in ((s3_endpoint, True), (f"http://127.0.0.1:{stalled_endpoint.port}", False)):
+        cfg = corekv.load_config({"cache": {"tiers": [{"type": "fsspec", "url": f"{s3_bucket}/kv", "required": True,
+                                                        "timeout": 0.5, "storage_options": {"endpoint_url": endpoint}}]}},
+                                 env={})
+        if answers:
+            tiers, _ = make_tiers(cfg.cache, make_plugin_manager(), **kwargs)
+            assert [t.is_reachable() for t in tiers] == [True]
+            for tier in tiers:
+                tier.close()
+        else:
+            started = time.monotonic()
+            with pytest.raises(ConfigError, match=r"required: true, and its store did not answer") as caught:
+                make_tiers(cfg.cache, make_plugin_manager(), **kwargs)
+            assert caught.value.path == "cache.tiers[0].required" and time.monotonic() - started < 5

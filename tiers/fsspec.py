@@ -175,6 +175,14 @@ class FsspecTier(Tier):
             return [isinstance(outcome, bytes) for outcome in outcomes]
         return [outcome is True for outcome in self._each("exists", "exists", paths)]
 
+    def is_reachable(self) -> bool:
+        """A local folder is; a remote store answered one membership call (of a key no block
+        has) within the deadline. Asked of ``required: true`` tiers at start only."""
+        if self._is_local:
+            return True
+        self._contains_entries([b"\x00corekv-reachable"])
+        return not self._cooldowns.is_down(self.url)
+
     def _delete_entries(self, keys: list[BlockHash]) -> None:
         paths = [self._path(key) for key in keys]
         for path in paths:
