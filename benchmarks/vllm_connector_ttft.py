@@ -136,11 +136,11 @@ def child(spec_path: str, out_path: str) -> None:
     from vllm import LLM, SamplingParams
     from vllm.config import KVTransferConfig
 
+    from corekv.integrations.vllm import transfer_config
+
     kwargs = {}
     if spec.get("corekv_config"):
-        kwargs["kv_transfer_config"] = KVTransferConfig(
-            kv_connector="CoreKVConnector", kv_connector_module_path="corekv.integrations.vllm",
-            kv_role="kv_both", kv_connector_extra_config={"config": spec["corekv_config"]})
+        kwargs["kv_transfer_config"] = transfer_config(spec["corekv_config"])
     elif spec.get("example_path"):
         kwargs["kv_transfer_config"] = KVTransferConfig(
             kv_connector="ExampleConnector", kv_role="kv_both",

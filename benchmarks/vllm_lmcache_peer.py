@@ -221,11 +221,11 @@ def child(spec_path: str, out_path: str) -> None:
     from vllm import LLM
     from vllm.config import KVTransferConfig
 
+    from corekv.integrations.vllm import transfer_config
+
     kwargs = {}
     if spec.get("corekv_config"):
-        kwargs["kv_transfer_config"] = KVTransferConfig(
-            kv_connector="CoreKVConnector", kv_connector_module_path="corekv.integrations.vllm",
-            kv_role="kv_both", kv_connector_extra_config={"config": spec["corekv_config"]})
+        kwargs["kv_transfer_config"] = transfer_config(spec["corekv_config"])
     elif spec.get("lmcache_port"):
         kwargs["kv_transfer_config"] = KVTransferConfig(
             kv_connector=LMCACHE_CONNECTOR[0], kv_connector_module_path=LMCACHE_CONNECTOR[1], kv_role="kv_both",

@@ -196,3 +196,12 @@ def test_a_request_following_its_own_write_loads_it_at_once_from_the_write_in_fl
         worker.close()
         scheduler.close()
         shutil.rmtree(shm, ignore_errors=True)
+
+
+def test_transfer_config_names_the_connector_and_the_config(tmp_path):
+    from corekv.integrations.vllm import transfer_config
+
+    made = transfer_config(tmp_path / "cache.yaml", fingerprint="smollm2@v1")
+    assert (made.kv_connector, made.kv_connector_module_path, made.kv_role) == (
+        "CoreKVConnector", "corekv.integrations.vllm", "kv_both")
+    assert made.kv_connector_extra_config == {"config": str(tmp_path / "cache.yaml"), "fingerprint": "smollm2@v1"}

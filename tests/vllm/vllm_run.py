@@ -58,11 +58,11 @@ def main() -> None:
     from vllm import LLM, SamplingParams
     from vllm.config import KVEventsConfig, KVTransferConfig
 
+    from corekv.integrations.vllm import transfer_config
+
     kwargs = {}
     if spec.get("config"):
-        kwargs["kv_transfer_config"] = KVTransferConfig(
-            kv_connector="CoreKVConnector", kv_connector_module_path="corekv.integrations.vllm",
-            kv_role="kv_both", kv_connector_extra_config={"config": spec["config"], **spec.get("extra_config", {})})
+        kwargs["kv_transfer_config"] = transfer_config(spec["config"], **spec.get("extra_config", {}))
     elif spec.get("connector"):
         kwargs["kv_transfer_config"] = KVTransferConfig(kv_connector=spec["connector"], kv_role="kv_both",
                                                         kv_connector_extra_config=spec.get("extra_config", {}))

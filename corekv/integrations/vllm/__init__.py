@@ -16,5 +16,15 @@ import without vLLM.
 """
 from corekv._lazy import lazy_getattr
 
-__all__ = ["CoreKVConnector"]
+__all__ = ["CoreKVConnector", "transfer_config"]
 __getattr__ = lazy_getattr(__name__, {"CoreKVConnector": "corekv.integrations.vllm.connector"})
+
+
+def transfer_config(config, **extra_config):
+    """vLLM's ``KVTransferConfig`` that loads :class:`CoreKVConnector` with corekv's cache config
+    ``config`` (a YAML file), for ``LLM(..., kv_transfer_config=...)``; ``extra_config``: more
+    ``kv_connector_extra_config`` keys (``fingerprint``)."""
+    from vllm.config import KVTransferConfig
+
+    return KVTransferConfig(kv_connector="CoreKVConnector", kv_connector_module_path=__name__, kv_role="kv_both",
+                            kv_connector_extra_config={"config": str(config), **extra_config})
