@@ -56,6 +56,17 @@ def test_a_tier_faster_than_recompute_loads_and_always_loads_whatever_it_costs()
     assert always.stats()["skipped_blocks"] == 0
 
 
+def test_blocks_in_memory_load_free_and_never_count_as_a_tier_skip():
+    """A negative tier index (the vLLM connector's writes in flight) is neither a tier's estimate
+    nor a tier's skip: it loads, and a slow run after it is still cut."""
+    cost = measured(remote_s=0.05, probe_every=2)
+    assert cost.num_blocks_to_load([TierRun(-1, 3), TierRun(2, 2)]) == 3
+    assert cost._num_skips == [0, 0, 1]  # remote skipped once; the in-memory run is no tier's
+    assert cost.num_blocks_to_load([TierRun(2, 2), TierRun(-1, 4)]) == 0  # 4 x 16 ms < 2 x 34 ms lost
+    assert cost.num_blocks_to_load([TierRun(2, 2), TierRun(-1, 5)]) == 7  # 5 x 16 ms win them back
+    assert cost._num_skips == [0, 0, 0]
+
+
 def test_estimates_follow_recent_samples():
     cost = measured(remote_s=0.05, weight=0.5)
     assert cost.num_blocks_to_load([TierRun(2, 1)]) == 0

@@ -18,10 +18,11 @@ everything after it unless a faster run behind it wins the time back. A tier not
 or an engine whose prefill rate is not, counts as free to load (the prior: reload, as without a
 cost model). A tier whose blocks were skipped ``probe_every`` times is loaded once more, so its
 estimate follows a tier that recovered. ``max_load_tokens`` caps the blocks loaded per request
-whatever the policy (vLLM's knob of that name).
+whatever the policy (vLLM's knob of that name). A run with a negative tier index is blocks
+already in this machine's memory (the vLLM connector's writes in flight): loaded, never measured.
 
-The vLLM connector's scheduler side uses the same object: it sees no timings (the worker loads
-and vLLM runs the model), so there it applies ``max_load_tokens`` and loads what the priors say.
+The vLLM connector's scheduler side uses the same object, fed with the timings its worker
+reports (the worker's tier reads, and the forward time of its steps over their tokens).
 """
 from __future__ import annotations
 
@@ -136,8 +137,9 @@ class ReloadCost:
         best_saving = saving = 0.0
         probes = set()
         for run in runs:
-            load_s = self._estimate(self._loads[run.tier_index])
-            if count and load_s is not None and self._num_skips[run.tier_index] >= self.probe_every:
+            in_memory = run.tier_index < 0
+            load_s = 0.0 if in_memory else self._estimate(self._loads[run.tier_index])
+            if count and not in_memory and load_s is not None and self._num_skips[run.tier_index] >= self.probe_every:
                 probes.add(run.tier_index)
                 load_s = None  # NOTE: this load measures the tier again, in case it got faster
             saving += run.num_blocks * (recompute_s - (load_s or 0.0))
@@ -148,9 +150,11 @@ class ReloadCost:
             pos = 0
             for run in runs:
                 is_loaded = pos < best
+                pos += run.num_blocks
+                if run.tier_index < 0:
+                    continue
                 self._num_skips[run.tier_index] = 0 if is_loaded else self._num_skips[run.tier_index] + 1
                 if is_loaded and run.tier_index in probes:
                     self.counters["probes"] += 1
                     probes.discard(run.tier_index)
-                pos += run.num_blocks
         return best
