@@ -192,3 +192,44 @@ class PrefixCacheBackend(ABC):
             "num_free_blocks": self.num_free_blocks,
             "num_pinned_blocks": self.num_pinned_blocks,
         }
+
+
+@dataclass(frozen=True)
+class Admission:
+    """The blocks a request was admitted with: ``table`` is the matched ``hit`` (one reference
+    each, taken by :func:`admit`) followed by the fresh blocks allocated for the rest."""
+
+    hit: list[int]
+    table: list[int]
+
+    @property
+    def fresh(self) -> list[int]:
+        return self.table[len(self.hit):]
+
+
+def admit(backend: PrefixCacheBackend, key: PrefixKey, num_tokens: int, *,
+          max_hit_blocks: int | None = None, cache: bool = False) -> Admission | None:
+    """Give a request of ``num_tokens`` tokens under ``key`` its blocks, the one way the engine,
+    the index-only simulator (:mod:`corekv.bench`) and the conformance suite do it: match,
+    acquire the hit, allocate the rest, and on failure give the hit back.
+
+    :param max_hit_blocks: match at most this many blocks; default ``(num_tokens - 1) //
+        block_size`` (the last token is always computed); ``0`` when prefix caching is off.
+    :param cache: also make the full blocks of ``key`` hittable at once (a simulation, whose KV
+        counts as computed on admission); the engine caches blocks only once computed.
+    :returns: the admission, or ``None`` (and no reference held) when the pool cannot supply
+        the fresh blocks now.
+    """
+    bs = backend.block_size
+    if max_hit_blocks is None:
+        max_hit_blocks = (num_tokens - 1) // bs
+    hit = backend.match(key, max_blocks=max_hit_blocks)
+    backend.acquire(hit)  # NOTE: first, so allocate() cannot evict the blocks just hit
+    fresh = backend.allocate(-(-num_tokens // bs) - len(hit))
+    if fresh is None:
+        backend.free(hit)
+        return None
+    table = hit + fresh
+    if cache:
+        backend.cache(key, table[:key.num_full_blocks])
+    return Admission(hit, table)

@@ -1,7 +1,8 @@
 """Index-only simulation: how many prompt tokens a backend would hit, without a model.
 
-``hit_rate`` drives a real backend through its public verbs (match, acquire, allocate, cache,
-free) exactly as the engine does, on token-id requests. ``seed_workloads`` regenerates the four
+``hit_rate`` drives a real backend, built through the plugin manager, with the engine's own
+admission (:func:`corekv.backend.admit`: match, acquire, allocate, cache) and ``free``, on
+token-id requests. ``seed_workloads`` regenerates the four
 synthetic workloads of the prefix-cache seed chapter (same ``random.seed(0)`` call order), on which
 ``hit_rate_table`` reproduces the chapter's table. Importing this module needs no torch.
 """
@@ -10,19 +11,17 @@ from __future__ import annotations
 import random
 from collections.abc import Callable, Mapping, Sequence
 
-from corekv.backend import PrefixCacheBackend
+from corekv.backend import PrefixCacheBackend, admit
 from corekv.hashing import PrefixKey, chain_seed
 
 #: (column label, backend name, block size) of the seed table
 TABLE_COLUMNS = (("radix", "radix", 1), ("blocks 16", "hash_blocks", 16), ("blocks 64", "hash_blocks", 64))
 WORKLOAD_NAMES = ("shared_system", "multi_turn", "few_shot", "parallel")
 
-# NOTE: index-only runs never read block hashes: the radix tree then never hashes at all, and
-# neither backend keeps events nobody drains.
-_SIMULATION_OPTIONS = {
-    "radix": {"track_hashes": False, "record_events": False},
-    "hash_blocks": {"record_events": False},
-}
+# NOTE: index-only runs never read block hashes: a backend that declares these options (the
+# radix tree's track_hashes, every builtin's record_events) then never hashes or keeps events
+# nobody drains. Options a backend does not declare are not passed.
+_SIMULATION_OPTIONS = {"track_hashes": False, "record_events": False}
 
 
 def seed_workloads() -> dict[str, list[list[int]]]:
@@ -60,21 +59,18 @@ def seed_workloads() -> dict[str, list[list[int]]]:
 
 def make_backend(backend: str | Callable[..., PrefixCacheBackend], num_blocks: int,
                  block_size: int) -> PrefixCacheBackend:
-    """Build a backend by name (builtin or registered by a plugin) or from a factory."""
+    """Build a backend by the name a plugin registers it under (builtin or third-party, through
+    the plugin manager like the engine does) or from a factory."""
     if callable(backend):
         return backend(num_blocks, block_size)
-    if backend == "radix":
-        from corekv.plugins.radix import RadixBackend
-        return RadixBackend(num_blocks, block_size, **_SIMULATION_OPTIONS["radix"])
-    if backend == "hash_blocks":
-        from corekv.plugins.hash_blocks import HashBlockBackend
-        return HashBlockBackend(num_blocks, block_size, **_SIMULATION_OPTIONS["hash_blocks"])
     from corekv.plugin import make_plugin_manager
     specs = make_plugin_manager().backends()
     if backend not in specs:
         raise ValueError(f"backend {backend!r} is not registered; expected one of {sorted(specs)} "
                          "(install or list the plugin that provides it)")
-    return specs[backend].factory(num_blocks, block_size)
+    spec = specs[backend]
+    options = {k: v for k, v in _SIMULATION_OPTIONS.items() if k in spec.options}
+    return spec.factory(num_blocks, block_size, **options)
 
 
 def hit_rate(requests: Sequence[Sequence[int]], backend: str | Callable[..., PrefixCacheBackend] = "radix",
@@ -110,17 +106,14 @@ def hit_rate(requests: Sequence[Sequence[int]], backend: str | Callable[..., Pre
     hits = total = 0
     for req in requests:
         key = PrefixKey(req, block_size, namespace)
-        hit = cache.match(key, max_blocks=(len(req) - 1) // block_size)
-        hits += len(hit) * block_size
+        admission = admit(cache, key, len(req), cache=True)
+        if admission is None:  # refused, and nothing changed: its hit still counts
+            num_hit_blocks = len(cache.match(key, max_blocks=(len(req) - 1) // block_size))
+        else:
+            num_hit_blocks = len(admission.hit)
+            cache.free(admission.table)
+        hits += num_hit_blocks * block_size
         total += len(req)
-        cache.acquire(hit)
-        fresh = cache.allocate(-(-len(req) // block_size) - len(hit))
-        if fresh is None:
-            cache.free(hit)
-            continue
-        table = hit + fresh
-        cache.cache(key, table[:key.num_full_blocks])
-        cache.free(table)
     return hits / total if total else 0.0
 
 
