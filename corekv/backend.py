@@ -223,7 +223,8 @@ def admit(backend: PrefixCacheBackend, key: PrefixKey, num_tokens: int, *,
     bs = backend.block_size
     if max_hit_blocks is None:
         max_hit_blocks = (num_tokens - 1) // bs
-    hit = backend.match(key, max_blocks=max_hit_blocks)
+    # NOTE: a match of at most 0 blocks is empty; skipping it spares hashing the key
+    hit = backend.match(key, max_blocks=max_hit_blocks) if max_hit_blocks > 0 else []
     backend.acquire(hit)  # NOTE: first, so allocate() cannot evict the blocks just hit
     fresh = backend.allocate(-(-num_tokens // bs) - len(hit))
     if fresh is None:

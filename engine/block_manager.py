@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections import Counter
 
-from corekv.backend import PrefixCacheBackend
+from corekv.backend import PrefixCacheBackend, admit
 from corekv.offload import Offload
 from corekv.engine.sequence import Sequence
 
@@ -76,13 +76,12 @@ class BlockManager:
         :returns: False (and no change) if the pool cannot supply the fresh blocks now.
         """
         assert not seq.block_table, f"allocate({seq}): the sequence already holds blocks; this indicates a bug in the scheduler"
-        hit = self.match(seq)
-        self.backend.acquire(hit)  # NOTE: first, so allocate() cannot evict the blocks we hit
-        fresh = self.backend.allocate(blocks_for(seq.num_tokens, self.block_size) - len(hit))
-        if fresh is None:
-            self.backend.free(hit)
+        admission = admit(self.backend, seq.key, seq.num_tokens,
+                          max_hit_blocks=self._max_reused_blocks(seq) if self.enable_prefix_caching else 0)
+        if admission is None:
             return False
-        seq.block_table = hit + fresh
+        hit, fresh = admission.hit, admission.fresh
+        seq.block_table = admission.table
         seq.num_computed_tokens = len(hit) * self.block_size
         seq.num_cached_blocks = len(hit)
         by_tier = {"device": len(hit) * self.block_size}

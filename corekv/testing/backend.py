@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import pytest
 
-from corekv.backend import PinLimitError, PrefixCacheBackend
+from corekv.backend import PinLimitError, PrefixCacheBackend, admit
 from corekv.hashing import PrefixKey, chain_seed
 
 MODEL = "corekv-testing-model"
@@ -28,19 +28,15 @@ def make_key(tokens, block_size: int, salt: str | None = None) -> PrefixKey:
 
 
 class Request:
-    """One request as the engine runs it: match, acquire, allocate, cache; ``finish`` frees."""
+    """One request as the engine admits it (:func:`corekv.backend.admit`), its full blocks
+    cached at once; ``finish`` frees."""
 
     def __init__(self, backend: PrefixCacheBackend, tokens, salt: str | None = None):
-        bs = backend.block_size
-        self.backend, self.key = backend, make_key(tokens, bs, salt)
-        self.hit = backend.match(self.key, max_blocks=(len(tokens) - 1) // bs)
-        backend.acquire(self.hit)
-        fresh = backend.allocate(-(-len(tokens) // bs) - len(self.hit))
-        if fresh is None:
-            backend.free(self.hit)
+        self.backend, self.key = backend, make_key(tokens, backend.block_size, salt)
+        admission = admit(backend, self.key, len(tokens), cache=True)
+        if admission is None:
             raise MemoryError("pool too small for this request")
-        self.table = self.hit + fresh
-        backend.cache(self.key, self.table[:self.key.num_full_blocks])
+        self.hit, self.table = admission.hit, admission.table
 
     @property
     def num_hit_tokens(self) -> int:
@@ -141,6 +137,15 @@ class BackendTests:
         fresh = b.allocate(2)
         assert not set(fresh) & set(held.table)
         assert b.match(make_key(tokens(2 * bs), bs)) == held.table
+
+    def test_a_refused_admission_gives_its_hit_back(self):
+        b, bs = self.backend(4), self.block_size
+        Request(b, tokens(2 * bs)).finish()
+        key = make_key(tokens(5 * bs), bs)  # hits the 2 cached blocks, needs 3 more of the 2 left
+        assert len(b.match(key)) == 2
+        assert admit(b, key, 5 * bs) is None
+        assert b.num_free_blocks == 4 and len(b.match(key)) == 2
+        assert len(b.allocate(4)) == 4  # the hit holds no reference: evictable again
 
     def test_eviction_takes_the_least_recently_used_prefix(self):
         b, bs = self.backend(4), self.block_size
