@@ -205,3 +205,63 @@ def test_transfer_config_names_the_connector_and_the_config(tmp_path):
     assert (made.kv_connector, made.kv_connector_module_path, made.kv_role) == (
         "CoreKVConnector", "corekv.integrations.vllm", "kv_both")
     assert made.kv_connector_extra_config == {"config": str(tmp_path / "cache.yaml"), "fingerprint": "smollm2@v1"}
+
+
+def test_the_scheduler_loads_only_what_beats_recompute_from_the_workers_timings(tmp_path, model_dir):
+    """``cache.reload_policy: cost`` in the connector: the worker times its real LMDB reads and
+    its steps and reports them; the scheduler's cost model learns from the reports. The prefill
+    rates are injected reports (a forward is not run here): a slow recompute loads the tier's
+    blocks, a fast one recomputes them (counted as skipped), ``always`` loads them whatever."""
+    from corekv.integrations.vllm.metadata import StepReport
+    from corekv.integrations.vllm.scheduler import SchedulerSide
+    from corekv.integrations.vllm.worker import WorkerSide
+
+    def sides(policy):
+        cfg = {"cache": {"reload_policy": policy,
+                         "tiers": [{"type": "lmdb", "path": str(tmp_path / "kv"), "size": "256MiB", "sync": False}]}}
+        settings = read_settings(vllm_config(model_dir, {"config": config_file(tmp_path, cfg)}), kv_cache_config())
+        return SchedulerSide(settings, same_process=True), WorkerSide(settings, num_blocks=24)
+
+    tokens = list(range(1000, 1200))  # 6 full blocks of 32 and a partial one
+    scheduler, worker = sides("cost")
+    worker.register({f"model.layers.{i}.self_attn.attn": torch.randn(24, 3, 32, 128) for i in range(30)})
+    try:
+        first = fake_request("first", tokens)
+        scheduler.matched_tokens(first, 0)
+        scheduler.allocated(first, list(range(7)), 0)
+        worker.step_started()
+        worker.save(step(scheduler, first, list(range(7))))
+        scheduler.finished(first, list(range(7)))
+        worker.save(step(scheduler, fake_request("idle", [1]), []))
+        worker.offload.flush()
+        report = worker.report()
+        assert [n for n, _ in report.step_timings] == [len(tokens)]  # the forward of first's step
+        scheduler.reported(report)
+
+        slow_recompute = StepReport(step_timings=[(256, 256 * 1.0)] * 4)  # 1 s a token
+        scheduler.reported(slow_recompute)
+        for i in range(4):  # real LMDB reads, timed by the worker
+            req = fake_request(f"r{i}", tokens)
+            assert scheduler.matched_tokens(req, 0) == 6 * 32
+            scheduler.allocated(req, list(range(8, 15)), 6 * 32)
+            worker.load(step(scheduler, req, list(range(8, 15))))
+            assert worker.load_errors() == set()
+            report = worker.report()
+            assert {name for name, _, _ in report.load_timings} == {"lmdb"}
+            scheduler.reported(report)
+        assert scheduler.cost.stats()["load_s_per_block"]["lmdb"] > 0
+
+        scheduler.reported(StepReport(step_timings=[(256, 1e-9)] * 200))  # recompute all but free (a mean of recent samples)
+        assert scheduler.matched_tokens(fake_request("fast", tokens), 0) == 0
+        assert scheduler.cost.stats()["skipped_blocks"] == 6
+    finally:
+        worker.close()
+        scheduler.close()
+
+    always, worker = sides("always")
+    try:
+        always.reported(StepReport(step_timings=[(256, 1e-9)] * 40, load_timings=[("lmdb", 1, 10.0)] * 8))
+        assert always.matched_tokens(fake_request("any", tokens), 0) == 6 * 32
+    finally:
+        worker.close()
+        always.close()

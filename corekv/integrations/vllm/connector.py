@@ -96,6 +96,11 @@ class CoreKVConnector(KVConnectorBase_V1):
     def register_kv_caches(self, kv_caches) -> None:
         self._worker.register(kv_caches)
 
+    def bind_connector_metadata(self, connector_metadata) -> None:
+        super().bind_connector_metadata(connector_metadata)
+        if self._worker is not None:
+            self._worker.step_started()  # the step's forward follows
+
     def start_load_kv(self, forward_context, **kwargs: Any) -> None:
         self._worker.load(self._get_connector_metadata())
 

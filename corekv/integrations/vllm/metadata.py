@@ -34,22 +34,29 @@ class BlockSave:
 
 @dataclass
 class StepPlan(KVConnectorMetadata):
-    """Scheduler -> worker: this step's loads and saves."""
+    """Scheduler -> worker: this step's loads and saves, and how many tokens its forward computes
+    (for the worker's prefill timing)."""
 
     loads: list[BlockLoad] = field(default_factory=list)
     saves: list[BlockSave] = field(default_factory=list)
+    num_tokens: int = 0
 
 
 @dataclass
 class StepReport(KVConnectorWorkerMetadata):
     """Worker -> scheduler, since the last report: the blocks each tier stored (``{tier name:
     [block hash]}``, for the scheduler's KV events), the blocks whose writes ended, whatever
-    the outcome (``done``: no lookup waits on them any more), and the loads that failed."""
+    the outcome (``done``: no lookup waits on them any more), the loads that failed, and the
+    timings the scheduler's reload cost model learns from."""
 
     stored: dict[str, list[bytes]] = field(default_factory=dict)
     done: list[bytes] = field(default_factory=list)
     #: request id -> blocks of its planned load that did not load (vLLM recomputes them)
     load_failures: dict[str, int] = field(default_factory=dict)
+    #: (tier name, blocks read, seconds) of each timed tier read
+    load_timings: list[tuple[str, int, float]] = field(default_factory=list)
+    #: (tokens computed, seconds) of each forward that computed at least a block's tokens
+    step_timings: list[tuple[int, float]] = field(default_factory=list)
 
     def aggregate(self, other: "StepReport") -> "StepReport":
         merged = {name: list(hashes) for name, hashes in self.stored.items()}
@@ -58,7 +65,9 @@ class StepReport(KVConnectorWorkerMetadata):
         failures = dict(self.load_failures)
         for req_id, num in other.load_failures.items():
             failures[req_id] = failures.get(req_id, 0) + num
-        return StepReport(stored=merged, done=self.done + other.done, load_failures=failures)
+        return StepReport(stored=merged, done=self.done + other.done, load_failures=failures,
+                          load_timings=self.load_timings + other.load_timings,
+                          step_timings=self.step_timings + other.step_timings)
 
 
 @dataclass

@@ -26,6 +26,10 @@ step, when the worker has it). Plans carry block hashes: the worker never
 hashes tokens. Requests whose KV depends on more than their token ids (images, prompt
 embeddings) are neither looked up nor offloaded.
 
+How many of the blocks found are offered is corekv's reload cost model
+(:mod:`corekv.offload.cost`: ``cache.reload_policy``, ``cache.max_load_tokens``), fed with the
+tier reads and forwards the worker times and reports with each step.
+
 ``reset_cache`` (vLLM's ``reset_prefix_cache(reset_connector=True)``, e.g. after a weight update
 in memory) starts a new key space for this process: nothing stored before it is found after it.
 The entries themselves stay (other processes on the node may share them) and age out by LRU.
@@ -117,7 +121,8 @@ class SchedulerSide:
                                "lmdb, redis or fsspec tiers with vLLM's multiprocess executor)", unseen)
             tiers = [t for t in tiers if t.is_shared]
         self.tiers = tiers
-        #: corekv's reload cost model; it sees no timings here, so it applies cache.max_load_tokens
+        #: corekv's reload cost model (``cache.reload_policy``, ``cache.max_load_tokens``), fed with
+        #: the timings the worker reports
         self.cost = ReloadCost([t.name for t in tiers], self.block_size, policy=settings.cache.reload_policy,
                                max_load_tokens=settings.cache.max_load_tokens)
         self.requests: dict[str, _Request] = {}
@@ -171,7 +176,7 @@ class SchedulerSide:
                 num += 1
             runs.append(TierRun(IN_FLIGHT_RUN, num))
             pos += num
-        found = pos - first
+        found = self.cost.num_blocks_to_load(runs)  # the runs' leading blocks that beat recompute
         self._lookups[request.request_id] = (key, num_computed_tokens, runs)
         logger.debug("lookup %s: device %d tokens, tiers %d blocks from block %d", request.request_id,
                      num_computed_tokens, found, first)
@@ -237,6 +242,7 @@ class SchedulerSide:
             if self.planner.is_write_through and state.pending:
                 self._queue_save(state, finished=False)
         plan, self._plan = self._plan, StepPlan()
+        plan.num_tokens = sum(scheduler_output.num_scheduled_tokens.values())
         self._unsent.clear()
         return plan
 
@@ -295,6 +301,12 @@ class SchedulerSide:
             for h in hashes:
                 self._event_fields.pop(h, None)
         self.planner.completed(report.done)
+        index = {tier.name: i for i, tier in enumerate(self.tiers)}
+        for name, num_blocks, seconds in report.load_timings:
+            if name in index:
+                self.cost.observe_load(index[name], num_blocks, seconds)
+        for num_tokens, seconds in report.step_timings:
+            self.cost.observe_step(num_tokens, seconds)
         for req_id, num_blocks in report.load_failures.items():
             state = self.requests.get(req_id)
             if state is not None:

@@ -10,11 +10,16 @@ vLLM recomputes them (``kv_load_failure_policy: recompute``). Saves run after th
 lacks them by the facade's background writer, so the step never waits for a tier; each block's
 write is reported back when it ends (stored, skipped or failed), so the scheduler knows what is
 still in flight.
+
+The worker also times what the scheduler's reload cost model needs (it sees neither the tiers'
+reads nor vLLM's forward): every tier read the facade makes, and each step's forward, from the
+plan's binding to ``wait_for_save`` less the step's loads, over the tokens the plan says it computes.
 """
 from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections import Counter
 
 from corekv.backend import EvictedBlock
@@ -23,19 +28,23 @@ from corekv.integrations.vllm.paged_kv import PagedKV
 from corekv.integrations.vllm.settings import ConnectorSettings
 from corekv.integrations.vllm.shared_tiers import local_schedulers, open_tiers, release_tiers
 from corekv.offload import Offload
+from corekv.offload.cost import ReloadCost
 
 __all__ = ["WorkerSide"]
 logger = logging.getLogger(__name__)
 
 
 class _WriteReports:
-    """The facade's hook relay and completion listener: what the tiers stored and which writes
-    ended, collected from the writer thread until the next step report."""
+    """What the next step report carries, collected from the step's thread and the writer's:
+    what the tiers stored and which writes ended (the facade's hook relay and completion
+    listener), and the timings of tier reads and forwards."""
 
     def __init__(self):
         self._lock = threading.Lock()
         self._stored: dict[str, list[bytes]] = {}
         self._done: list[bytes] = []
+        self._load_timings: list[tuple[str, int, float]] = []
+        self._step_timings: list[tuple[int, float]] = []
 
     def corekv_on_blocks_offloaded(self, tier: str, block_hashes) -> None:
         with self._lock:
@@ -48,10 +57,34 @@ class _WriteReports:
         with self._lock:
             self._done.extend(block_hashes)
 
+    def load_timed(self, tier: str, num_blocks: int, seconds: float) -> None:
+        with self._lock:
+            self._load_timings.append((tier, num_blocks, seconds))
+
+    def step_timed(self, num_tokens: int, seconds: float) -> None:
+        with self._lock:
+            self._step_timings.append((num_tokens, seconds))
+
     def take(self) -> StepReport | None:
         with self._lock:
             stored, done, self._stored, self._done = self._stored, self._done, {}, []
-        return StepReport(stored=stored, done=done) if stored or done else None
+            loads, steps, self._load_timings, self._step_timings = self._load_timings, self._step_timings, [], []
+        if stored or done or loads or steps:
+            return StepReport(stored=stored, done=done, load_timings=loads, step_timings=steps)
+        return None
+
+
+class _TimedLoads(ReloadCost):
+    """The facade's cost model, relaying each timed tier read to the step report (the decisions
+    are the scheduler's: the worker loads what the plan says)."""
+
+    def __init__(self, tier_names, block_size: int, reports: _WriteReports):
+        super().__init__(tier_names, block_size)
+        self._reports = reports
+
+    def observe_load(self, tier_index: int, num_blocks: int, seconds: float) -> None:
+        if num_blocks > 0:
+            self._reports.load_timed(self.tier_names[tier_index], num_blocks, seconds)
 
 
 class WorkerSide:
@@ -65,6 +98,8 @@ class WorkerSide:
         self._load_errors: set[int] = set()
         self._load_failures: dict[str, int] = {}  # request id -> blocks that did not load
         self._saved_requests: set[str] = set()
+        self._step_started: float | None = None  # when this step's plan was bound
+        self._step_load_s = 0.0                   # of it, spent loading
         self.counters: Counter[str] = Counter()
 
     def register(self, kv_caches) -> None:
@@ -80,11 +115,23 @@ class WorkerSide:
         cache = self.settings.cache
         # NOTE: the scheduler side decides when a block is offloaded; here every save is offered
         # as the facade's write-back ("the slot may be reused now"), with no hit filter.
+        timed = _TimedLoads([t.name for t in tiers], pool.block_size, self._reports)
         self.offload = Offload(tiers, pool, write_policy="write_back", offload_min_hits=0,
                                queue_blocks=cache.offload_queue_blocks, hooks=self._reports, prefetch_blocks=0,
-                               on_done=self._reports.done)
+                               on_done=self._reports.done, reload_cost=timed)
+
+    def step_started(self) -> None:
+        """vLLM bound this step's plan: its forward follows (loads first, where it has any)."""
+        self._step_started, self._step_load_s = time.perf_counter(), 0.0
 
     def load(self, plan: StepPlan) -> None:
+        started = time.perf_counter()
+        try:
+            self._load(plan)
+        finally:
+            self._step_load_s += time.perf_counter() - started
+
+    def _load(self, plan: StepPlan) -> None:
         if self.offload is None:
             for load in plan.loads:
                 self._load_errors.update(load.block_ids)
@@ -108,7 +155,11 @@ class WorkerSide:
 
     def save(self, plan: StepPlan, *, wait: bool = False) -> None:
         """Offer ``plan``'s blocks to the tiers; ``wait``: write them all now (the queue bound
-        kept by batches, none skipped), as at shutdown."""
+        kept by batches, none skipped), as at shutdown. Ends the step's forward timing."""
+        if self._step_started is not None and plan.num_tokens >= self.settings.block_size:
+            forward_s = time.perf_counter() - self._step_started - self._step_load_s
+            self._reports.step_timed(plan.num_tokens, forward_s)
+        self._step_started = None
         for save in plan.saves:
             if self.offload is not None:
                 pairs = list(zip(save.block_hashes, save.block_ids))
