@@ -1,7 +1,7 @@
 """Where a corekv decode step spends its time: engine phases, operators, Python functions.
 
 Run through ``python benchmarks/engine_w1_w2.py --profile [--threads 1] [--dtypes float32]``; it
-builds an engine, prefills W1's or W2's prompts (see engine_w1_w2.py), then profiles pure decode
+builds an engine, prefills W1's or W2's prompts (``workloads/w1_w2.py``), then profiles pure decode
 steps three ways: wall-time wrappers around the engine's phases (schedule, the runner's
 ``_prepare`` and model forward, sampling, postprocess), ``torch.profiler`` by operator with corekv's
 paged attention function wrapped in a ``record_function`` (re-registered under its
@@ -18,7 +18,7 @@ from corekv.config import CacheConfig, Config, EngineConfig
 from corekv.engine.llm_engine import Engine
 from corekv.engine.models import load_model
 from corekv.engine.sampling import SamplingParams
-from engine_w1_w2 import w1_prompts, w2_prompts
+from workloads.w1_w2 import w1_prompts, w2_prompts
 
 
 class _Timed:

@@ -7,6 +7,7 @@
   alone, then the other five together (wave 2). Each run starts from a fresh engine / manager.
 * W2: 32 prompts of exactly 512 token ids sharing an exact 384-token prefix (real text tokenized:
   the seed documents, ``--seeds``), 128 distinct tokens each, 16 new tokens with EOS ignored.
+  Both are built in benchmarks/workloads/w1_w2.py.
 
 Per system and workload: total wall time, output tokens/s, mean TTFT (from the moment a wave is
 submitted, every request of a wave arriving then, to that request's first token), the peak RSS
@@ -38,15 +39,10 @@ from corekv.config import CacheConfig, Config, EngineConfig
 from corekv.engine.llm_engine import Engine
 from corekv.engine.models import load_model, reference_attention
 from corekv.engine.sampling import SamplingParams
+from engine_profile import profile_decode
 from seed_documents import add_seeds_argument, read_seeds  # benchmarks/ is sys.path[0]
-
-SYSTEM = "You are an inference optimization expert. Answer concisely and accurately, give numbers when needed. " * 6
-# NOTE: the six questions of the seed's shared-system-prompt experiment (as in the golden test).
-QUESTIONS = ["What is a KV cache?", "Explain continuous batching in one sentence.", "What is Python's GIL?",
-             "Write a metaphor about the moon.", "Explain tensor parallelism in one sentence.",
-             "What is 1+1? Answer directly."]
-W2_PROMPTS, W2_LEN, W2_PREFIX, W2_NEW = 32, 512, 384, 16
-W1_NEW = 32
+from waves import on_corekv
+from workloads.w1_w2 import QUESTIONS, W2_PROMPTS, as_waves, max_new_tokens, w1_prompts, w2_prompts
 
 
 class RssSampler:
@@ -74,30 +70,6 @@ class RssSampler:
         return max(self._peak, self._proc.memory_info().rss)
 
 
-# -- workloads ---------------------------------------------------------------------------------
-def w1_prompts(loaded) -> list[list[int]]:
-    return [loaded.encode_prompt([{"role": "system", "content": SYSTEM}, {"role": "user", "content": q}])
-            for q in QUESTIONS]
-
-
-def w2_prompts(loaded, seed_text: str) -> list[list[int]]:
-    """W2's prompts, cut from ``seed_text`` (:func:`seed_documents.read_seeds`)."""
-    ids = loaded.tokenizer(seed_text, add_special_tokens=False)["input_ids"]
-    suffix = W2_LEN - W2_PREFIX
-    need = W2_PREFIX + W2_PROMPTS * suffix
-    if len(ids) < need:
-        raise SystemExit(f"the seed documents give {len(ids)} tokens; W2 needs {need}")
-    prefix = ids[:W2_PREFIX]
-    prompts = [prefix + ids[W2_PREFIX + i * suffix:W2_PREFIX + (i + 1) * suffix] for i in range(W2_PROMPTS)]
-    assert all(len(p) == W2_LEN for p in prompts) and len({tuple(p[W2_PREFIX:]) for p in prompts}) == W2_PROMPTS
-    return prompts
-
-
-# A workload is a list of waves; each wave is a list of prompts submitted together.
-def waves(name, prompts):
-    return [prompts[:1], prompts[1:]] if name == "W1" else [prompts]
-
-
 # -- systems -----------------------------------------------------------------------------------
 #: engine.tune_cpu_malloc for every corekv engine here (--no-malloc-tuning turns it off, e.g. to
 #: compare glibc settings given through GLIBC_TUNABLES; mallopt's settings last for the process)
@@ -111,24 +83,7 @@ def run_corekv(loaded, wave_list, max_new, ignore_eos, prefix_caching, compile=F
                  cache=CacheConfig(backend="radix"))
     params = SamplingParams(max_tokens=max_new, temperature=0.0, ignore_eos=ignore_eos)
     with Engine(cfg, model=loaded) as engine:
-        return run_waves(engine, wave_list, params)
-
-
-def run_waves(engine, wave_list, params) -> dict:
-    """One run on ``engine``: each wave submitted whole to ``engine.generate`` in turn; returns the
-    total and per-wave seconds, each request's TTFT and tokens, and the prompt tokens each wave
-    computed (corekv's counterpart of vllm_w1_w2.run_waves)."""
-    tokens, ttfts, wave_times, computed = [], [], [], []
-    t0 = time.perf_counter()
-    for wave in wave_list:
-        w0 = time.perf_counter()
-        outs = engine.generate(wave, params, use_tqdm=False)
-        wave_times.append(time.perf_counter() - w0)
-        tokens += [list(o.token_ids) for o in outs]
-        computed.append(engine.stats()["prompt_tokens_computed"] - sum(computed))
-        ttfts += [o.ttft_s for o in outs]
-    total = time.perf_counter() - t0
-    return dict(total=total, waves=wave_times, ttfts=ttfts, tokens=tokens, prompt_tokens_computed=computed)
+        return on_corekv(engine, wave_list, params)
 
 
 class _FirstToken:
@@ -216,7 +171,7 @@ def summarise(results, reference_tokens):
 def bench_dtype(dtype, args, log):
     loaded = load_model("smollm2-135m-instruct", dtype=dtype, device="cpu")
     prompts = {"W1": w1_prompts(loaded), "W2": w2_prompts(loaded, args.seed_text)}
-    spec = {"W1": (W1_NEW, False), "W2": (W2_NEW, True)}
+    spec = {wl: max_new_tokens(wl) for wl in ("W1", "W2")}
     rows = {}
     # warm-up (untimed): one short request through each system, so first-call costs are not timed.
     warm = [prompts["W1"][0][:64]]
@@ -232,7 +187,7 @@ def bench_dtype(dtype, args, log):
     sampler = RssSampler()
     for wl in args.workloads:
         max_new, ignore_eos = spec[wl]
-        wl_waves = waves(wl, prompts[wl])
+        wl_waves = as_waves(wl, prompts[wl])
         gen_runs = args.generate_w2_runs if wl == "W2" and args.generate_w2_runs else args.runs
         systems = [("hf generate (sequential, sdpa)", lambda: run_hf_generate(loaded, wl_waves, max_new, ignore_eos), gen_runs),
                    ("corekv (prefix caching on)", lambda: run_corekv(loaded, wl_waves, max_new, ignore_eos, True), args.runs)]
@@ -328,7 +283,7 @@ def main():
     ap.add_argument("--render", default=None, help="print the markdown tables of a --json file and exit")
     ap.add_argument("--dump-prompts", default=None, metavar="FILE",
                     help="write the W1 and W2 prompts' token ids as JSON ({'W1': [...], 'W2': [...]}) and exit "
-                         "(benchmarks/vllm_w1_w2.py runs vLLM on them)")
+                         "(benchmarks/peers/vllm_w1_w2.py runs vLLM on them)")
     add_seeds_argument(ap)
     args = ap.parse_args()
     if args.isa:
@@ -373,8 +328,6 @@ def main():
         env["native_isa"] = f"none ({exc})"
     log(json.dumps(env))
     if args.profile:
-        from engine_profile import profile_decode  # noqa: PLC0415 (benchmarks/ is sys.path[0])
-
         reports = {dtype: profile_decode(dtype, log, args.seed_text) for dtype in args.dtypes.split(",")}
         print(json.dumps(dict(env=env, profile=reports), indent=1))
         if args.json:

@@ -8,7 +8,7 @@ turns; each conversation starts from a 300-token history, each turn appends a us
 not the generated text, as in the seed). ``--scale`` multiplies every length (the seed's lengths
 make ~170K prompt tokens, hours of recompute on a small CPU box). Token ids are real text: slices
 of the seed documents (``--seeds``) tokenized by SmolLM2's tokenizer, at random offsets
-(``random.seed(0)``).
+(``random.seed(0)``; ``workloads/chats.py``).
 Each prompt generates ``--new-tokens`` tokens greedily (EOS ignored).
 
 Turns are interleaved, as concurrent chat sessions are: turn 1 of all 20 conversations is
@@ -38,7 +38,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import random
 import shutil
 import sys
 import tempfile
@@ -52,30 +51,10 @@ from corekv.engine.llm_engine import Engine
 from corekv.engine.models import load_model
 from corekv.engine.sampling import SamplingParams
 from seed_documents import add_seeds_argument, read_seeds  # benchmarks/ is sys.path[0]
+from workloads.chats import seed_chats
 
 BLOCK = 16
 CONFIGS = ("none", "host", "host+lmdb")
-
-
-def make_workload(model, scale: float, seed_text: str, num_conversations: int = 20, num_turns: int = 8,
-                  seed: int = 0):
-    """``turns[t][c]``: conversation ``c``'s prompt at turn ``t`` (token ids cut from ``seed_text``)."""
-    corpus = [int(t) for t in model.tokenizer.encode(seed_text, add_special_tokens=False)]
-    rng = random.Random(seed)
-
-    def tokens(low: int, high: int) -> list[int]:
-        n = max(1, round(rng.randint(low, high) * scale))
-        start = rng.randrange(0, len(corpus) - n)
-        return corpus[start:start + n]
-
-    turns = [[] for _ in range(num_turns)]
-    for _ in range(num_conversations):
-        history = tokens(300, 300)
-        for t in range(num_turns):
-            history = history + tokens(10, 60)  # the user's new message
-            turns[t].append(list(history))
-            history = history + tokens(50, 300)  # the model's answer (fixed tokens, as in the seed)
-    return turns
 
 
 def reuse_bound(turns) -> int:
@@ -192,7 +171,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     print(f"threads {torch.get_num_threads()}, load average at start {os.getloadavg()}", file=sys.stderr)
     model = load_model("smollm2-135m-instruct", dtype="float32", device="cpu")
-    turns = make_workload(model, args.scale, seed_text)
+    turns = seed_chats(model.tokenizer, args.scale, seed_text)
     finals = [len(p) + args.new_tokens for p in turns[-1]]
     working_set_blocks = sum(-(-n // BLOCK) for n in finals)
     num_blocks = max(round(working_set_blocks * args.pool_fraction), -(-max(finals) // BLOCK) + 1)

@@ -52,7 +52,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import random
 import shutil
 import statistics
 import subprocess
@@ -71,44 +70,7 @@ PREFILL_FIRST = "/prefill-first"
 DONE = "COREKV-BENCH-DONE"
 
 
-# -- the workload ------------------------------------------------------------------------------
-def make_workload(tokenizer, encode, seed_text: str, args) -> list[list[list[int]]]:
-    """``turns[t][c]``: conversation ``c``'s prompt at turn ``t`` (token ids of the messages so far
-    through ``encode``, corekv's chat-template encoding, with the generation prompt).
-
-    :raises SystemExit: if a turn's prompt is not a prefix of the next turn's (the template would
-        then break prefix caching for every engine alike, and the workload would not be a chat).
-    """
-    corpus = tokenizer.encode(seed_text, add_special_tokens=False)
-    rng = random.Random(args.seed)
-
-    def text(low: int, high: int) -> str:
-        n = rng.randint(low, high)
-        start = rng.randrange(0, len(corpus) - n)
-        return tokenizer.decode(corpus[start:start + n]).strip()
-
-    system = {"role": "system", "content": tokenizer.decode(corpus[:args.system_tokens]).strip()}
-    user_lo, user_hi = args.user_tokens
-    answer_lo, answer_hi = args.answer_tokens
-    turns: list[list[list[int]]] = [[] for _ in range(args.turns)]
-    for c in range(args.conversations):
-        messages, previous = [system], []
-        for t in range(args.turns):
-            question = text(user_lo, user_hi)
-            if t == 0 and args.document_tokens:
-                question = text(args.document_tokens, args.document_tokens) + "\n\n" + question
-            messages.append({"role": "user", "content": question})
-            ids = encode(messages)
-            if ids[:len(previous)] != previous:
-                raise SystemExit(f"conversation {c}: turn {t + 1}'s prompt does not start with turn {t}'s "
-                                 "(the chat template re-tokenized the history); this workload needs a "
-                                 "template that appends")
-            turns[t].append(ids)
-            previous = ids
-            messages.append({"role": "assistant", "content": text(answer_lo, answer_hi)})
-    return turns
-
-
+# -- the workload (built in workloads/chats.py) ----------------------------------------------
 def working_set_blocks(turns, max_tokens: int, block: int = BLOCK) -> int:
     """Distinct ``block``-token blocks of every conversation's final prompt + generated tokens
     (a shared prefix counted once; generated tokens stand in as distinct per conversation)."""
@@ -149,7 +111,7 @@ def vllm_child(args) -> None:
     """Start one ``vllm.LLM``, then serve ``run REPEAT OUT`` lines on stdin: one cold pass over
     the workload each, its row written to OUT as JSON, then :data:`DONE` on stdout."""
     from vllm import LLM, SamplingParams
-    from vllm_w1_w2 import run_waves  # benchmarks/ is sys.path[0]
+    from waves import on_vllm  # benchmarks/ is sys.path[0]
 
     workload = json.loads(Path(args.workload).read_text())
     turns, max_tokens = workload["turns"], workload["max_tokens"]
@@ -172,7 +134,7 @@ def vllm_child(args) -> None:
         assert command == "run", f"this indicates a bug in the driver: got {line!r}"
         llm.reset_prefix_cache()  # NOTE: each repeat starts cold, like corekv's fresh engine
         before = _vllm_counters(llm)
-        result = run_waves(llm, turns, params)
+        result = on_vllm(llm, turns, params)
         after = _vllm_counters(llm)
         result.update(info, repeat=int(repeat), counters={k: after[k] - before.get(k, 0) for k in after})
         Path(out).write_text(json.dumps(result))
@@ -256,7 +218,7 @@ def corekv_run(model, name: str, turns, num_blocks: int, working_set_bytes: int,
     from corekv.config import CacheConfig, Config, EngineConfig
     from corekv.engine.llm_engine import Engine
     from corekv.engine.sampling import SamplingParams
-    from engine_w1_w2 import run_waves  # benchmarks/ is sys.path[0]
+    from waves import on_corekv  # benchmarks/ is sys.path[0]
     from memory_pressure import tier_configs
 
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
@@ -269,7 +231,7 @@ def corekv_run(model, name: str, turns, num_blocks: int, working_set_bytes: int,
                                             preemption="swap" if prefill_first else "recompute"),
                         cache=CacheConfig(backend="radix", tiers=tier_configs(tiers, workdir, working_set_bytes)))
         with Engine(config, model=model) as engine:
-            run = run_waves(engine, turns, params)
+            run = on_corekv(engine, turns, params)
             stats = engine.stats()
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
@@ -463,10 +425,14 @@ def main() -> None:
     import torch
 
     from corekv.engine.models import load_model
+    from workloads.chats import templated_chats
 
     torch.set_num_threads(args.threads)
     model = load_model("smollm2-135m-instruct", dtype="float32", device="cpu")
-    turns = make_workload(model.tokenizer, model.encode_prompt, read_seeds(args.seeds), args)
+    turns = templated_chats(model.tokenizer, model.encode_prompt, read_seeds(args.seeds),
+                            conversations=args.conversations, turns=args.turns, system_tokens=args.system_tokens,
+                            user_tokens=args.user_tokens, answer_tokens=args.answer_tokens,
+                            document_tokens=args.document_tokens, seed=args.seed)
     ws_blocks = working_set_blocks(turns, args.max_tokens)
     max_model_len = max(map(len, turns[-1])) + args.max_tokens + 1  # NOTE: vLLM needs one such request to fit
     # NOTE: vLLM keeps one block back (its null block), so one request needs a block more

@@ -1,6 +1,7 @@
 """Speculative decoding: W3 (input-grounded generation) decode speed with ``engine.speculative``
 (ngram; SmolLM2 drafting for itself) against without, same model, same token ids, greedy; and W1/W2
-(benchmarks/engine_w1_w2.py's workloads) with speculation on against off.
+(benchmarks/engine_w1_w2.py's workloads) with speculation on against off. The prompts are built in
+benchmarks/workloads/ (``w3.py``, ``w1_w2.py``).
 
     python benchmarks/speculative_w3.py --runs 3 --markdown            # W3, and W1/W2 on and off
     python benchmarks/speculative_w3.py --workloads W3 --systems off,ngram
@@ -33,87 +34,10 @@ from corekv.config import CacheConfig, Config, EngineConfig, SpeculativeConfig
 from corekv.engine.llm_engine import Engine
 from corekv.engine.models import DEFAULT_MODEL, load_model
 from corekv.engine.sampling import SamplingParams
-
-CODE = '''import json
-import os
-
-
-def load_settings(path, defaults=None):
-    settings = dict(defaults or {})
-    if os.path.exists(path):
-        with open(path) as f:
-            settings.update(json.load(f))
-    return settings
-
-
-def merge(a, b):
-    out = dict(a)
-    for key, value in b.items():
-        if isinstance(value, dict) and isinstance(out.get(key), dict):
-            out[key] = merge(out[key], value)
-        else:
-            out[key] = value
-    return out
-
-
-def save_settings(path, settings):
-    tmp = path + ".tmp"
-    with open(tmp, "w") as f:
-        json.dump(settings, f, indent=2, sort_keys=True)
-    os.replace(tmp, path)
-
-
-def count_words(text):
-    counts = {}
-    for word in text.lower().split():
-        word = word.strip(".,;:!?")
-        if word:
-            counts[word] = counts.get(word, 0) + 1
-    return counts
-
-
-def top_words(text, n=10):
-    counts = count_words(text)
-    return sorted(counts.items(), key=lambda kv: (-kv[1], kv[0]))[:n]
-'''
-
-TEXT = ("The color of the harbor changed every evening. At dusk the fishermen gathered near the old "
-        "center of town to organize their nets, and the neighbors would analyze the weather while "
-        "the children practiced their favorite songs. Nobody realized how much the program of the "
-        "festival had changed until the mayor apologized for the delay: the theater was being "
-        "remodeled, the catalog of events was still on the printer, and the traveling musicians had "
-        "canceled their trip. The organizers, however, were not discouraged. They moved the dance "
-        "to the harbor, labeled every stall with a colorful sign, and by nine o'clock the whole "
-        "town was humming with the flavor of grilled fish and the honor of a summer well spent.\n\n"
-        "The next morning the harbor was quiet again. The neighbors cleaned the streets, the organizers "
-        "counted the money they had raised for the new library, and the mayor thanked every volunteer "
-        "by name in a short letter that was printed on the front page of the local paper. The "
-        "musicians, who had finally arrived by the evening train, offered to play a free concert in "
-        "the autumn, and the theater promised to open its remodeled hall in time for it. By noon the "
-        "fishermen were back on the water, the children were back at school, and the only sign of the "
-        "festival was a row of colorful signs drying in the sun beside the old center of town.")
-
-ITEMS = ("Apples: 12 crates, from the north orchard, delivered Monday. "
-         "Pears: 7 crates, from the river farm, delivered Tuesday. "
-         "Plums: 4 crates, from the hill garden, delivered Wednesday. "
-         "Cherries: 9 crates, from the north orchard, delivered Thursday. "
-         "Peaches: 5 crates, from the river farm, delivered Friday. "
-         "Apricots: 3 crates, from the hill garden, delivered Saturday. "
-         "Lemons: 6 crates, from the south grove, delivered Sunday. "
-         "Oranges: 11 crates, from the south grove, delivered Monday. "
-         "Grapes: 8 crates, from the valley vineyard, delivered Tuesday. "
-         "Figs: 2 crates, from the hill garden, delivered Wednesday. "
-         "Quinces: 1 crate, from the river farm, delivered Thursday. "
-         "Melons: 10 crates, from the valley vineyard, delivered Friday.")
-
-W3_TASKS = [
-    "Add Python type hints to every function in this module. Reply with the complete module and nothing else.\n\n"
-    + CODE,
-    "Rewrite the following text with British English spelling (colour, harbour, ...). Change nothing else and "
-    "reply with the full text.\n\n" + TEXT,
-    "Turn this list into a Markdown table with the columns Fruit, Crates, Source and Day.\n\n" + ITEMS,
-    "Summarise the following text in three sentences, then quote its first sentence.\n\n" + TEXT,
-]
+from seed_documents import add_seeds_argument, read_seeds  # benchmarks/ is sys.path[0]
+from waves import on_corekv
+from workloads.w1_w2 import as_waves, max_new_tokens, w1_prompts, w2_prompts
+from workloads.w3 import w3_prompts
 
 SPECULATIVE = {
     "off": SpeculativeConfig(),
@@ -121,10 +45,6 @@ SPECULATIVE = {
     "ngram-k8": SpeculativeConfig(method="ngram", num_speculative_tokens=8),
     "draft": SpeculativeConfig(method="draft", model=DEFAULT_MODEL, num_speculative_tokens=4),
 }
-
-
-def w3_prompts(loaded) -> list[list[int]]:
-    return [loaded.encode_prompt([{"role": "user", "content": task}]) for task in W3_TASKS]
 
 
 def run_w3(loaded, prompts, speculative: SpeculativeConfig, max_tokens: int) -> dict:
@@ -152,25 +72,20 @@ def run_w3(loaded, prompts, speculative: SpeculativeConfig, max_tokens: int) -> 
 
 
 def run_w1_w2(loaded, workload: str, speculative: SpeculativeConfig, seeds) -> dict:
-    import engine_w1_w2 as w12  # benchmarks/ is sys.path[0]
-
-    prompts = w12.w1_prompts(loaded) if workload == "W1" else w12.w2_prompts(loaded, seeds)
-    max_new, ignore_eos = (w12.W1_NEW, False) if workload == "W1" else (w12.W2_NEW, True)
-    waves = w12.waves(workload, prompts)
+    prompts = w1_prompts(loaded) if workload == "W1" else w2_prompts(loaded, seeds)
+    max_new, ignore_eos = max_new_tokens(workload)
+    waves = as_waves(workload, prompts)
     num_tokens = sum(len(p) + max_new for w in waves for p in w)
     cfg = Config(engine=EngineConfig(num_blocks=num_tokens // 16 + 64, speculative=speculative),
                  cache=CacheConfig(backend="radix"))
     params = SamplingParams(max_tokens=max_new, temperature=0.0, ignore_eos=ignore_eos)
     with Engine(cfg, model=loaded) as engine:
-        run = w12.run_waves(engine, waves, params)
+        run = on_corekv(engine, waves, params)
         stats = engine.stats()["speculative"]
     return dict(total=run["total"], tokens=run["tokens"], out_tokens=sum(map(len, run["tokens"])), spec=stats)
 
 
 def main(argv=None) -> None:
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    from seed_documents import add_seeds_argument, read_seeds
-
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--workloads", default="W3,W1,W2")
     parser.add_argument("--systems", default="off,ngram,ngram-k8,draft",
@@ -182,7 +97,7 @@ def main(argv=None) -> None:
     parser.add_argument("--json", default=None, help="write the raw results here")
     parser.add_argument("--markdown", action="store_true")
     parser.add_argument("--dump-prompts", default=None, metavar="JSON",
-                        help="write W3's prompts as token ids (for benchmarks/vllm_speculative_w3.py) and exit")
+                        help="write W3's prompts as token ids (for benchmarks/peers/vllm_speculative_w3.py) and exit")
     add_seeds_argument(parser)
     args = parser.parse_args(argv)
     if args.threads:

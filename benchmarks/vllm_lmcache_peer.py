@@ -65,7 +65,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import random
 import shutil
 import signal
 import statistics
@@ -78,6 +77,7 @@ from pathlib import Path
 
 import process_group
 from vllm_connector_ttft import cpu_description, free_port  # benchmarks/ is sys.path[0]
+from workloads.lmcache_qa import ChatIds, build_workloads
 
 REPO = Path(__file__).resolve().parents[1]
 BLOCK = 128
@@ -267,79 +267,7 @@ def child(spec_path: str, out_path: str) -> None:
     # NOTE: the LLM's engine processes go with this process (the driver also kills its group)
 
 
-# ============================================================================ the workloads
-class Ids:
-    """SmolLM2's ChatML pieces as token ids, each tokenized on its own (so prefixes stay prefixes)."""
-
-    def __init__(self, model: str, seeds: Path):
-        from transformers import AutoTokenizer
-
-        from seed_documents import read_seeds
-
-        self.tok = AutoTokenizer.from_pretrained(model)
-        self.corpus = self.tok.encode(read_seeds(seeds), add_special_tokens=False)
-        self.gen = self.enc("<|im_start|>assistant\n")
-
-    def enc(self, text: str) -> list[int]:
-        return self.tok.encode(text, add_special_tokens=False)
-
-    def text(self, rng: random.Random, n: int) -> list[int]:
-        """``n`` consecutive token ids of the seed documents from a random place (wrapping)."""
-        start = rng.randrange(len(self.corpus))
-        return [self.corpus[(start + i) % len(self.corpus)] for i in range(n)]
-
-    def message(self, role: str, body: list[int]) -> list[int]:
-        return self.enc(f"<|im_start|>{role}\n") + body + self.enc("<|im_end|>\n")
-
-
-def build_workloads(ids: Ids, a) -> dict:
-    rng = random.Random(a.seed)
-    questions = ["What is the main point of this document?", "Which components does the text describe?",
-                 "Summarise the last section in one sentence."]
-    docs = [ids.text(rng, a.doc_tokens) for _ in range(a.docs)]
-
-    def doc_prompt(doc: list[int], q: int) -> list[int]:
-        return (ids.enc("<|im_start|>user\n") + doc + ids.enc(f"\n\nQuestion: {questions[q]}<|im_end|>\n")
-                + ids.gen)
-
-    # as LMCache's long-doc-qa: a warm-up round over the documents, then the query round over
-    # them again in random order (here with another question)
-    second = list(range(a.docs))
-    rng.shuffle(second)
-    pairs = [(d, 0) for d in range(a.docs)] + [(d, 1) for d in second]
-    repeats = [f"doc{d}/q1" for d in second]
-    third = list(range(a.docs))
-    rng.shuffle(third)
-    single_doc = ids.text(rng, a.doc_tokens)
-    system = ids.message("system", ids.corpus[:a.system_tokens])
-    users, user_names = [], []
-    for u in range(a.users):
-        history, rounds = list(system), []
-        for r in range(a.rounds):
-            history = history + ids.message("user", ids.text(rng, a.user_tokens))
-            rounds.append(history + ids.gen)
-            history = history + ids.gen + ids.text(rng, a.answer_tokens) + ids.enc("<|im_end|>\n")
-        users.append(rounds)
-        user_names.append([f"user{u}/round{r}" for r in range(a.rounds)])
-
-    def one(name: str, prompt: list[int]) -> dict:
-        return {"sessions": [[prompt]], "names": [[name]], "concurrency": 1}
-
-    return {
-        "warmup": one("warmup", ids.text(rng, 64)),  # under one block: nothing to look up or store
-        "flush": one("flush", ids.text(rng, 64)),
-        "long_doc_qa": {"sessions": [[doc_prompt(docs[d], q)] for d, q in pairs],
-                        "names": [[f"doc{d}/q{q}"] for d, q in pairs], "concurrency": a.doc_concurrency,
-                        "repeats": repeats},
-        "multi_round_qa": {"sessions": users, "names": user_names, "concurrency": a.users},
-        "fresh_process": {"sessions": [[doc_prompt(docs[d], 2)] for d in third],
-                          "names": [[f"doc{d}/q2"] for d in third], "concurrency": a.doc_concurrency},
-        "single_cold": one("single", doc_prompt(single_doc, 0)),
-        "single_warm": one("single", doc_prompt(single_doc, 0)),
-        "single_restart": one("single", doc_prompt(single_doc, 0)),
-    }
-
-
+# ============================================================================ the workloads (workloads/lmcache_qa.py)
 def process_plans(w: dict, max_tokens: int, settle: float) -> tuple[list[dict], list[dict]]:
     def ph(name: str) -> dict:
         return {"kind": "sessions", "name": name, "max_tokens": max_tokens,
@@ -690,7 +618,7 @@ def versions(python: str) -> dict:
 
 
 def main() -> None:
-    from seed_documents import add_seeds_argument
+    from seed_documents import add_seeds_argument, read_seeds
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--child", nargs=2, help=argparse.SUPPRESS)
@@ -749,7 +677,7 @@ def main() -> None:
     if "lmcache" in a.columns and not (Path(sys.executable).parent / "lmcache").exists():
         ap.error(f"{sys.executable} has no lmcache; run this with .venv-lmcache/bin/python "
                  "(bash benchmarks/lmcache_venv.sh)")
-    ids = Ids(a.model, a.seeds)
+    ids = ChatIds(a.model, read_seeds(a.seeds))
     w = build_workloads(ids, a)
     longest = max(len(p) for wl in w.values() for s in wl["sessions"] for p in s)
     a.max_model_len = -(-(longest + a.max_tokens) // BLOCK) * BLOCK

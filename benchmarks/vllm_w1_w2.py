@@ -32,8 +32,8 @@ import time
 from pathlib import Path
 
 import process_group
-
-W1_NEW, W2_NEW = 32, 16
+from waves import on_vllm
+from workloads.w1_w2 import as_waves, max_new_tokens
 
 
 class TreeRssSampler:
@@ -74,28 +74,6 @@ class TreeRssSampler:
         self._thread.join()
         self._sample()
         return self._peak, self._single
-
-
-def run_waves(llm, wave_list, params):
-    """One run: each wave submitted whole to ``llm.generate``; returns times, tokens, TTFTs, cache hits."""
-    from vllm.inputs import TokensPrompt
-
-    tokens, ttfts, wave_times, cached = [], [], [], []
-    t0 = time.perf_counter()
-    for wave in wave_list:
-        wall0, w0 = time.time(), time.perf_counter()
-        outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in wave], params, use_tqdm=False)
-        wave_times.append(time.perf_counter() - w0)
-        tokens += [list(o.outputs[0].token_ids) for o in outs]
-        cached.append(sum(o.num_cached_tokens or 0 for o in outs))
-        for o in outs:
-            m = o.metrics
-            # NOTE: arrival_time is wall-clock (time.time) when generate() added the request;
-            # first_token_latency is measured from it, so this is "wave submitted -> first token".
-            ok = m is not None and getattr(m, "first_token_latency", 0) > 0
-            ttfts.append(m.arrival_time + m.first_token_latency - wall0 if ok else float("nan"))
-    total = time.perf_counter() - t0
-    return dict(total=total, waves=wave_times, ttfts=ttfts, tokens=tokens, prompt_tokens_cached=cached)
 
 
 def summarise(results):
@@ -155,13 +133,14 @@ def child(args):
     rows = {}
     for wl in args.workloads.split(","):
         plist = prompts[wl]
-        wave_list = [plist[:1], plist[1:]] if wl == "W1" else [plist]
-        params = SamplingParams(temperature=0.0, max_tokens=W1_NEW if wl == "W1" else W2_NEW, ignore_eos=(wl == "W2"))
+        wave_list = as_waves(wl, plist)
+        max_new, ignore_eos = max_new_tokens(wl)
+        params = SamplingParams(temperature=0.0, max_tokens=max_new, ignore_eos=ignore_eos)
         results = []
         sampler.start()
         for i in range(args.runs):
             llm.reset_prefix_cache()  # NOTE: every run starts cold, like corekv's fresh engine per run
-            results.append(run_waves(llm, wave_list, params))
+            results.append(on_vllm(llm, wave_list, params))
             r = results[-1]
             print(f"[vllm child] {args.dtype} {wl} prefix_caching={args.prefix_caching} run {i}: {r['total']:.2f} s "
                   f"(waves {', '.join(f'{w:.2f}' for w in r['waves'])}; cached {r['prompt_tokens_cached']}), "
