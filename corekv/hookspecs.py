@@ -85,6 +85,41 @@ def corekv_resolve_model(name: str) -> str | None:
 
 
 # -------------------------------------------------------------------------------------------
+# Serving hooks (the HTTP server asks these; it names no plugin)
+# -------------------------------------------------------------------------------------------
+@hookspec
+def corekv_collect_metrics(engine: Any) -> bytes | None:
+    """Metrics of ``engine`` in the Prometheus text format, for the server's ``GET /metrics``.
+
+    Every plugin's answer is served, in registration order, one after the other; ``/metrics``
+    answers 404 when no plugin has any (without per-tenant keys). The builtin ``prometheus``
+    plugin answers here.
+
+    :param engine: the :class:`corekv.Engine` the server serves.
+    :returns: the exposition text (ending with a newline), or ``None`` when the plugin has no
+        metrics for this engine.
+
+    .. versionadded:: 0.1
+    """
+
+
+@hookspec(firstresult=True)
+def corekv_describe_kv_events(engine: Any) -> dict[str, Any] | None:
+    """Where ``engine``'s KV events are published, for the server's ``GET /admin/info``
+    (``kv_events``), which routers read to subscribe.
+
+    This hook is ``firstresult``: the first plugin that publishes this engine's events answers. The
+    builtin ``kv_events`` plugin answers here.
+
+    :param engine: the :class:`corekv.Engine` the server serves.
+    :returns: ``{"endpoint", "replay_endpoint", "topic"}`` (the addresses actually bound), or
+        ``None`` when the plugin publishes no events for this engine.
+
+    .. versionadded:: 0.1
+    """
+
+
+# -------------------------------------------------------------------------------------------
 # Lifecycle and event hooks (observers; return values are ignored)
 # -------------------------------------------------------------------------------------------
 @hookspec

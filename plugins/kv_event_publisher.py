@@ -325,6 +325,21 @@ def publisher_for(engine: Any) -> Any:
     return manager.pm.get_plugin(PUBLISHER_NAME)
 
 
+@hookimpl
+def corekv_describe_kv_events(engine: Any) -> dict[str, Any] | None:
+    """Where ``engine`` publishes (the server's ``/admin/info``): the addresses the publisher
+    bound (a port 0 in the config becomes the port chosen; ``tcp://*:P`` reads
+    ``tcp://0.0.0.0:P``), else the config's; ``None`` when ``kv_events`` is off."""
+    section = getattr(engine.config, "sections", {}).get(SECTION)
+    if section is None or not section.enabled:
+        return None
+    endpoint, replay = section.endpoint, section.replay_endpoint
+    publisher = engine.plugin_manager.pm.get_plugin(PUBLISHER_NAME)
+    if publisher is not None:
+        endpoint, replay = publisher.endpoint, publisher.replay_endpoint
+    return {"endpoint": endpoint, "replay_endpoint": replay, "topic": section.topic}
+
+
 # NOTE: tryfirst: other engine-started hooks (the pinned plugin warming cache.pinned) store
 # blocks, and those events must find the publisher registered.
 @hookimpl(tryfirst=True)

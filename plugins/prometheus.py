@@ -101,6 +101,11 @@ class PrometheusExporter:
         if output.ttft_s is not None:
             self.ttft.observe(output.ttft_s)
 
+    @hookimpl
+    def corekv_collect_metrics(self, engine: Any) -> bytes:
+        # NOTE: registered on this engine's plugin manager only, so the engine is this one's
+        return self.exposition()
+
     # -- exposition --------------------------------------------------------------------------
     def exposition(self) -> bytes:
         """The Prometheus text format of this engine's metrics (what a scrape returns)."""

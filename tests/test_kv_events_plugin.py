@@ -292,6 +292,18 @@ def local_non_loopback_address() -> str | None:
     return None if address.startswith("127.") else address
 
 
+def test_corekv_describe_kv_events_names_the_sockets_bound_and_none_when_off(tiny):
+    with make_engine(tiny, topic="kv") as engine:
+        publisher = publisher_for(engine)
+        described = engine.plugin_manager.hook.corekv_describe_kv_events(engine=engine)
+        assert described == {"endpoint": publisher.endpoint, "topic": "kv",
+                             "replay_endpoint": publisher.replay_endpoint}
+        assert not publisher.endpoint.endswith(":0")  # the port bound, not the config's 0
+    with Engine(load_config({"model": "tiny", "engine": {"num_blocks": 8, "block_size": BS}},
+                            env={}), model=tiny) as off:
+        assert off.plugin_manager.hook.corekv_describe_kv_events(engine=off) is None
+
+
 def test_the_default_endpoint_listens_on_loopback_only(tiny):
     config = load_config({"model": "tiny", "engine": {"num_blocks": 16, "block_size": BS},
                           "kv_events": {"enabled": True}}, env={})

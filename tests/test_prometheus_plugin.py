@@ -65,6 +65,14 @@ def test_requests_prompt_tokens_and_ttft_are_counted_from_a_real_engine(tiny):
     assert got[("corekv_time_to_first_token_seconds_sum", ())] == pytest.approx(sum(o.ttft_s for o in outputs))
 
 
+def test_corekv_collect_metrics_answers_the_engines_own_exposition(tiny):
+    with make_engine(tiny) as engine, make_engine(tiny) as other:
+        engine.generate([SHARED + "first"], GREEDY)
+        texts = engine.plugin_manager.hook.corekv_collect_metrics(engine=engine)
+        assert texts == [exporter_for(engine).exposition()]
+        assert texts != other.plugin_manager.hook.corekv_collect_metrics(engine=other)
+
+
 def test_device_block_events_and_pool_gauges_match_the_backend(tiny):
     with make_engine(tiny) as engine:
         engine.generate([SHARED + "first"], GREEDY)

@@ -7,7 +7,7 @@ Endpoints::
     POST /v1/chat/completions   messages: [{"role", "content"}]                data: [DONE])
     GET  /v1/models             the one served model
     GET  /health                200 {"status": "ok"}, 503 once the engine is dead or stopping
-    GET  /metrics               Prometheus text (the engine's prometheus exporter)
+    GET  /metrics               Prometheus text (every plugin's corekv_collect_metrics answer)
     POST /admin/warm            {"prompt" | "messages", "cache_salt", "pin"} -> {"cached_tokens"}
     POST /admin/unpin           {"prompt" | "messages", "cache_salt"} -> {"unpinned_tokens"}
     GET  /admin/stats           engine.stats()
@@ -133,21 +133,27 @@ def build_app(engine: Any, *, served_model_name: str | None = None, close_engine
 
     @app.get("/metrics")
     async def metrics():
-        from corekv.plugins import prometheus
-
-        exporter = prometheus.exporter_for(engine)
+        # NOTE: pluggy calls hook implementations last registered first; served in registration order
+        texts = engine.plugin_manager.hook.corekv_collect_metrics(engine=engine)[::-1]
         if api_keys is not None:  # NOTE: behind the admin key (TenantGuard), labelled by tenant
-            text = (exporter.exposition() if exporter is not None else b"") + usage.exposition()
-            return Response(text, media_type="text/plain; version=0.0.4; charset=utf-8")
-        if exporter is None:
+            texts.append(usage.exposition())
+        elif not texts:
             raise APIError("no metrics: prometheus-client is not installed (pip install "
                            "'corekv[metrics]') or the prometheus plugin is disabled", status=404)
-        return Response(exporter.exposition(), media_type="text/plain; version=0.0.4; charset=utf-8")
+        return Response(b"".join(texts), media_type="text/plain; version=0.0.4; charset=utf-8")
 
     @app.post("/admin/warm")
     async def warm(request: Request):
-        prompt, salt, pin = parse_prefix(await _json(request), with_pin=True)
+        body = await _json(request)
+        prompt, salt, pin = parse_prefix(body, with_pin=True)
         ids = await _answer(runner.encode(prompt, add_generation_prompt=False))
+        if len(ids) < engine.block_size:
+            # NOTE: only whole blocks are cached: a shorter prefix would warm nothing, and a 200
+            # saying {"cached_tokens": 0} reads like success
+            field = "messages" if "messages" in body else "prompt"
+            raise APIError(f"{field}: {len(ids)} tokens, shorter than one KV block; warm caches "
+                           f"whole blocks only: send at least {engine.block_size} tokens (the "
+                           "block size)", param=field, code="prefix_too_short")
         count = await _answer(runner.call(lambda e: e.warm(ids, pin=pin, cache_salt=salt)))
         return {"cached_tokens": count}
 
@@ -173,24 +179,10 @@ def build_app(engine: Any, *, served_model_name: str | None = None, close_engine
 
 
 def kv_events_info(engine: Any) -> dict[str, Any] | None:
-    """Where ``engine`` publishes KV events (its config's ``kv_events``); None when off or absent.
-
-    The endpoints are the ones the publisher actually bound (a port 0 in the config becomes the
-    port chosen; ``tcp://*:P`` reads ``tcp://0.0.0.0:P``), else the config's.
-    """
-    section = getattr(engine.config, "kv_events", None)
-    if section is None or not getattr(section, "enabled", False):
-        return None
-    endpoint, replay = section.endpoint, getattr(section, "replay_endpoint", None)
-    try:
-        from corekv.plugins.kv_event_publisher import publisher_for
-
-        publisher = publisher_for(engine)
-    except ImportError:
-        publisher = None
-    if publisher is not None:
-        endpoint, replay = publisher.endpoint, publisher.replay_endpoint
-    return {"endpoint": endpoint, "replay_endpoint": replay, "topic": getattr(section, "topic", "")}
+    """Where ``engine`` publishes KV events (``{"endpoint", "replay_endpoint", "topic"}``, the
+    ``corekv_describe_kv_events`` hook's answer); None when no plugin publishes them."""
+    manager = getattr(engine, "plugin_manager", None)
+    return manager.hook.corekv_describe_kv_events(engine=engine) if manager is not None else None
 
 
 def as_api_error(error: BaseException) -> APIError:

@@ -54,6 +54,27 @@ def test_a_bad_warm_body_is_a_400(server, body, param):
     assert response.json()["error"]["param"] == param
 
 
+@pytest.mark.parametrize("body, param", [
+    ({"prompt": "too short"}, "prompt"), ({"prompt": list(range(100, 115))}, "prompt"),
+    ({"messages": [{"role": "user", "content": "Hi"}]}, "messages"),
+])
+def test_warming_less_than_one_block_is_a_400_that_says_the_minimum(server, engine, body, param):
+    num_pinned = engine.backend.num_pinned_blocks
+    response = post(server, "/admin/warm", body)
+    assert response.status_code == 400
+    error = response.json()["error"]
+    assert (error["param"], error["type"]) == (param, "invalid_request_error")
+    assert error["message"].startswith(f"{param}: ")
+    assert f"at least {engine.block_size} tokens" in error["message"]
+    assert engine.backend.num_pinned_blocks == num_pinned
+
+
+def test_warming_exactly_one_block_caches_it(server, engine):
+    warmed = post(server, "/admin/warm", {"prompt": list(range(100, 100 + engine.block_size)),
+                                          "pin": False})
+    assert warmed.status_code == 200 and warmed.json() == {"cached_tokens": engine.block_size}
+
+
 def test_unpin_takes_no_pin_field(server):
     response = post(server, "/admin/unpin", {"prompt": "a", "pin": True})
     assert response.status_code == 400 and response.json()["error"]["param"] == "pin"
@@ -108,3 +129,24 @@ def test_metrics_are_the_engines_prometheus_text(server, client):
     before = finished_stop_and_length()
     client.completions.create(model=MODEL_ID, prompt="metrics", max_tokens=2)
     assert finished_stop_and_length() == before + 1
+
+
+class ServingPlugin:
+    """A third-party plugin answering the server's hooks: the server names no plugin, it asks."""
+
+    def corekv_collect_metrics(self, engine):
+        return f"serving_plugin_block_size {engine.block_size}\n".encode()
+
+    def corekv_describe_kv_events(self, engine):
+        return {"endpoint": "tcp://broker:5557", "replay_endpoint": None, "topic": "elsewhere"}
+
+
+def test_metrics_and_kv_events_come_from_the_plugins_hooks(tiny_model_folder):
+    with Engine.from_config(tiny_config(tiny_model_folder), plugins=(ServingPlugin(),)) as engine, \
+            BackgroundServer(build_app(engine, served_model_name=MODEL_ID)) as server:
+        metrics = get(server, "/metrics")
+        info = get(server, "/admin/info").json()
+    assert metrics.status_code == 200
+    assert f"serving_plugin_block_size {engine.block_size}\n" in metrics.text
+    assert info["kv_events"] == {"endpoint": "tcp://broker:5557", "replay_endpoint": None,
+                                 "topic": "elsewhere"}

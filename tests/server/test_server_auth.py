@@ -67,7 +67,7 @@ def test_every_endpoint_but_health_needs_the_key(keyed, method, path, authorizat
     assert "Authorization: Bearer" in error["message"]
 
 
-@pytest.mark.parametrize("method, path, body", [("POST", "/admin/warm", {"prompt": "a shared prefix"}),
+@pytest.mark.parametrize("method, path, body", [("POST", "/admin/warm", {"prompt": "a shared prefix, a block long"}),
                                                 ("POST", "/admin/unpin", {"prompt": "a shared prefix"}),
                                                 ("GET", "/admin/stats", None), ("GET", "/admin/info", None)])
 def test_the_admin_endpoints_answer_with_the_key(keyed, method, path, body):
