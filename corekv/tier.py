@@ -82,13 +82,16 @@ class Tier(ABC):
 
     Capabilities (class attributes): ``is_persistent`` (outlives the process), ``is_shared``
     (other processes or machines see the same entries), ``supports_ttl``, ``supports_listing``
-    (``keys()`` works).
+    (``keys()`` works), ``supports_swap`` (swap preemption may park sequences' blocks here: a
+    memory store that gives back exactly the bytes put, fast enough to write on the step's thread,
+    and ``delete`` works; ``load_config`` reads it from the spec's factory, the tier class).
     """
 
     is_persistent = False
     is_shared = False
     supports_ttl = False
     supports_listing = False
+    supports_swap = False
 
     def __init__(self, *, block_bytes: int, fingerprint: bytes, dtype: str = "uint8",
                  shape: Sequence[int] | None = None, name: str | None = None):
@@ -307,7 +310,7 @@ class Tier(ABC):
             "capacity_bytes": self.capacity_bytes, "used_bytes": self.used_bytes,
             "num_entries": self.num_entries,
             **{flag: getattr(self, flag) for flag in ("is_persistent", "is_shared", "supports_ttl",
-                                                       "supports_listing")},
+                                                       "supports_listing", "supports_swap")},
         }
 
     def keys(self) -> Iterator[BlockHash]:

@@ -589,18 +589,39 @@ def test_reference_names_the_registered_backends_and_tier_types(pm):
     assert "| `cache.backend` | a non-empty string | radix |" in config_reference()
 
 
-def test_swap_preemption_needs_a_host_tier(pm):
-    """Checked here, once, so an engine never starts to find it out."""
+def test_swap_preemption_needs_a_tier_that_supports_swap(pm):
+    """Checked here, once, so an engine never starts to find it out; the tier's class says
+    whether it can hold swapped blocks (``supports_swap``), not its type's name."""
     without = {"engine": {"preemption": "swap"}, "cache": {**TOY, "tiers": [{"type": "toy_disk", "path": "kv"}]}}
-    message = ("engine.preemption: 'swap' parks preempted sequences' KV in a host tier, but cache.tiers "
-               "has none (types: ['toy_disk']); add `- {type: host, size: 1GiB}` to cache.tiers or use "
-               "preemption: recompute")
+    message = ("engine.preemption: 'swap' parks preempted sequences' KV in a tier that can hold swapped "
+               "blocks (types: host, shm), but cache.tiers has none (types: ['toy_disk']); add "
+               "`- {type: host, size: 1GiB}` to cache.tiers or use preemption: recompute")
     error = error_of(without, pm)
     assert (str(error), error.path) == (message, "engine.preemption")
     assert str(error_of({"cache": TOY}, pm, COREKV_ENGINE__PREEMPTION="swap")).endswith(
         "or use preemption: recompute (set by COREKV_ENGINE__PREEMPTION)")
-    with_host = {"engine": {"preemption": "swap"}, "cache": {**TOY, "tiers": [{"type": "host", "size": "1MiB"}]}}
-    assert load(with_host, pm).engine.preemption == "swap"
+    assert "cache.tiers has none (types: ['lmdb'])" in str(error_of(
+        {"engine": {"preemption": "swap"}, "cache": {**TOY, "tiers": [{"type": "lmdb", "path": "kv"}]}}, pm))
+    for tier in ({"type": "host", "size": "1MiB"}, {"type": "shm", "size": "1MiB"}):
+        assert load({"engine": {"preemption": "swap"}, "cache": {**TOY, "tiers": [tier]}}, pm).engine.preemption == "swap"
+
+
+class SwapTierPlugin:
+    """A third-party memory tier that declares the capability on its class."""
+
+    class ToySwapTier:
+        supports_swap = True
+
+    @hookimpl
+    def corekv_register_tiers(self):
+        return [TierSpec("toy_swap", factory=self.ToySwapTier)]
+
+
+def test_a_third_party_tier_that_supports_swap_may_hold_swapped_blocks():
+    pm = make_plugin_manager(plugins=[ToyPlugin(), SwapTierPlugin()])
+    cfg = load({"engine": {"preemption": "swap"}, "cache": {**TOY, "tiers": [{"type": "toy_swap"}]}}, pm)
+    assert cfg.engine.preemption == "swap"
+    assert "(types: host, shm, toy_swap)" in str(error_of({"engine": {"preemption": "swap"}, "cache": TOY}, pm))
 
 
 def test_prefill_first_needs_swap_preemption(pm):

@@ -20,6 +20,9 @@ class HostTier(Tier):
     """
 
     supports_listing = True
+    # NOTE: swap parks blocks synchronously on the step's thread and must get the same bytes back;
+    # an in-process arena copy is both (an evicted parked block is a miss: recomputed, never wrong)
+    supports_swap = True
 
     def __init__(self, *, size: int, block_bytes: int, fingerprint: bytes, dtype: str = "uint8",
                  shape: Sequence[int] | None = None, name: str | None = None,

@@ -91,6 +91,16 @@ class ShmTier(LMDBTier):
     Invariants: those of :class:`~corekv.tiers.lmdb.LMDBTier`.
     """
 
+    # NOTE: a node-shared memory store can hold swapped blocks: entries are the exact bytes put
+    # (checksummed, bound to their key), writes are memory copies (no fsync), and ``delete``
+    # works. Full blocks go under their chain hashes, which other processes may share like any
+    # offloaded block; a partial block's private key carries a per-process random nonce
+    # (corekv.offload.swap), so no other process can hit, overwrite or delete it. A parked entry
+    # evicted by another process's writes is a miss: recomputed, never wrong (and a killed
+    # process's private entries stay until evicted like any other). The ``lmdb`` tier
+    # (SSD) does not qualify: parking writes on the step's thread, and a disk write stalls it.
+    supports_swap = True
+
     def __init__(self, *, size: int, block_bytes: int, fingerprint: bytes, path: str = DEFAULT_PATH,
                  dtype: str = "uint8", shape: Sequence[int] | None = None, name: str | None = None,
                  max_readers: int = 510, evict_high: float = 0.9, evict_low: float = 0.8):

@@ -297,17 +297,23 @@ class ConfigReader:
                              f"{high}; expected prompt_lookup_min <= prompt_lookup_max")
 
     def check_preemption(self, config: Config) -> None:
-        """``engine.preemption: swap`` parks preempted sequences' KV in a host tier, so
-        ``cache.tiers`` must have one (whether it starts is the engine's to find out), and
-        ``engine.prefill_first``, which preempts more often, needs swap."""
+        """``engine.preemption: swap`` parks preempted sequences' KV in a tier whose class says
+        ``supports_swap`` (``host``, ``shm``), so ``cache.tiers`` must have one (whether it starts
+        is the engine's to find out), and ``engine.prefill_first``, which preempts more often,
+        needs swap."""
         if config.engine.prefill_first and config.engine.preemption != "swap":
             raise self.error("engine.prefill_first", "true preempts decodes for waiting prompts, which "
                              "with preemption: recompute computes their KV again; set engine.preemption: "
                              "swap (with a host tier in cache.tiers) or prefill_first: false")
+        if config.engine.preemption != "swap":
+            return
+        specs = self.plugin_manager.tiers()
         types = [t.type for t in config.cache.tiers]
-        if config.engine.preemption == "swap" and "host" not in types:
-            raise self.error("engine.preemption", "'swap' parks preempted sequences' KV in a host "
-                             f"tier, but cache.tiers has none (types: {types}); add "
+        if not any(_supports_swap(specs[t]) for t in types):
+            able = sorted(name for name, spec in specs.items() if _supports_swap(spec))
+            raise self.error("engine.preemption", "'swap' parks preempted sequences' KV in a tier "
+                             f"that can hold swapped blocks (types: {', '.join(able) or 'none registered'}), "
+                             f"but cache.tiers has none (types: {types}); add "
                              "`- {type: host, size: 1GiB}` to cache.tiers or use preemption: recompute")
 
     def check_importable(self, module: str, path: str) -> None:
@@ -318,6 +324,11 @@ class ConfigReader:
         if not found:
             raise self.error(path, f"got {module!r}; expected an importable module name; install "
                              "the package that provides it or fix the name")
+
+
+def _supports_swap(spec: Any) -> bool:
+    """Whether the tier a spec builds declares ``supports_swap`` (read from its factory, the class)."""
+    return getattr(spec.factory, "supports_swap", False) is True
 
 
 def _field(cls: type, name: str) -> Field:

@@ -72,9 +72,9 @@ def make_offload(cache: CacheConfig, plugin_manager, *, fingerprint: str, dtype:
     """The tiers of ``cache.tiers`` (:func:`make_tiers`), in order, under one :class:`Offload`
     wired to ``backend``'s evictions (``None`` when no tier is configured or none started), and
     ``{tier name: why it did not start}``. With ``swap``, preempted sequences are parked in the
-    first host tier that started.
+    first started tier that ``supports_swap``.
 
-    :raises ConfigError: as :func:`make_tiers`; also swap without a started host tier, or a
+    :raises ConfigError: as :func:`make_tiers`; also swap without such a tier started, or a
         backend that cannot report evicted blocks' hashes (radix with ``track_hashes: false``).
     """
     if not cache.tiers:
@@ -83,13 +83,13 @@ def make_offload(cache: CacheConfig, plugin_manager, *, fingerprint: str, dtype:
                                     block_bytes=kv_pool.bytes_per_block, shape=kv_pool.block_shape)
     swap_tier = None
     if swap:
-        host_names = {t.name for t in cache.tiers if t.type == "host"}
-        swap_tier = next((i for i, t in enumerate(tiers) if t.name in host_names), None)
+        swap_tier = next((i for i, t in enumerate(tiers) if t.supports_swap), None)
         if swap_tier is None:
             for tier in tiers:
                 tier.close()
-            raise ConfigError(f"engine.preemption: 'swap' needs a host tier, and none started "
-                              f"({not_started}); fix the tier or use preemption: recompute")
+            raise ConfigError(f"engine.preemption: 'swap' needs a tier that can hold swapped blocks "
+                              f"(supports_swap: host, shm), and none started ({not_started}); fix "
+                              "the tier or use preemption: recompute", path="engine.preemption")
     if not tiers:
         return None, not_started
     try:

@@ -4,10 +4,15 @@ Full blocks are parked under their chain hashes, so any request may reload them 
 blocks; the partial last block, which has no chain hash, goes under a private key that only the
 parked sequence's :class:`Parked` record holds. That entry is deleted once it is brought back or
 the sequence leaves, so private keys never accumulate in the tier.
+
+The swap tier is one whose class says ``supports_swap`` (``host``, and ``shm``, which every
+process on the node shares: private keys carry a random nonce drawn per process, so processes
+never meet on one, whatever their request ids and object addresses).
 """
 from __future__ import annotations
 
 import hashlib
+import os
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -93,6 +98,19 @@ class Swap:
 
 
 def _private_key(key: PrefixKey, owner: str, block_index: int, num_computed: int) -> bytes:
-    """A swap key for a partial block: never equal to a chain hash, unique per parked sequence."""
+    """A swap key for a partial block: never equal to a chain hash, unique per parked sequence
+    (``owner`` among this process's, the nonce among the processes sharing the tier)."""
     text = f"corekv-swap|{owner}|{block_index}|{num_computed}"
-    return hashlib.blake2b(key.namespace + text.encode(), digest_size=16).digest()
+    return hashlib.blake2b(key.namespace + _process_nonce + text.encode(), digest_size=16).digest()
+
+
+def _draw_process_nonce() -> None:
+    global _process_nonce
+    _process_nonce = os.urandom(16)
+
+
+_process_nonce = b""
+_draw_process_nonce()
+# NOTE: a forked child shares the parent's memory, nonce included, and request ids and object
+# addresses repeat across processes: without a fresh nonce two of them could park one key.
+os.register_at_fork(after_in_child=_draw_process_nonce)

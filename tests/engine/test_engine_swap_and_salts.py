@@ -1,11 +1,16 @@
-"""Swap preemption through the host tier (same outputs as recompute, fewer tokens recomputed) and
+"""Swap preemption through the host and shm tiers (same outputs as recompute, fewer tokens recomputed) and
 a property test of salt isolation at engine level across every tier kind."""
 from __future__ import annotations
+
+import os
 
 import pytest
 from hypothesis import given, settings, strategies as st
 
 from corekv.engine.sampling import SamplingParams
+from corekv.errors import ConfigError
+from corekv.hashing import PrefixKey, chain_seed
+from corekv.offload.swap import _private_key
 from tier_helpers import FILLERS, KINDS, evict, make_engine, tier_config
 
 LONG = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
@@ -15,20 +20,46 @@ SWAP_PROMPTS = [f"request {i} wants a long answer about paged attention" + " mor
 SWAP_POOL = 14
 
 
-def run_preempting(model, tmp_path, preemption):
-    with make_engine(model, [tier_config("host", tmp_path)], num_blocks=SWAP_POOL, preemption=preemption) as engine:
+def run_preempting(model, tmp_path, preemption, kind="host"):
+    with make_engine(model, [tier_config(kind, tmp_path)], num_blocks=SWAP_POOL, preemption=preemption) as engine:
         outputs = engine.generate(SWAP_PROMPTS, LONG)
         return [o.token_ids for o in outputs], engine.stats()
 
 
-def test_swap_preemption_equals_recompute_and_recomputes_less(tiny_llama, tmp_path):
+@pytest.mark.parametrize("kind", ["host", "shm"])  # the tiers whose class says supports_swap
+def test_swap_preemption_equals_recompute_and_recomputes_less(tiny_llama, tmp_path, kind):
     recompute_tokens, recompute = run_preempting(tiny_llama, tmp_path, "recompute")
-    swap_tokens, swap = run_preempting(tiny_llama, tmp_path, "swap")
+    swap_tokens, swap = run_preempting(tiny_llama, tmp_path, "swap", kind)
     assert recompute["num_preemptions"] > 0 and swap["num_preemptions"] > 0
     assert swap_tokens == recompute_tokens
     assert swap["num_swapped_out_blocks"] > 0 and swap["num_swapped_in_blocks"] > 0
     assert swap["tokens_computed"] < recompute["tokens_computed"]
     assert recompute["num_swapped_out_blocks"] == 0
+
+
+def test_swap_refuses_to_start_without_a_tier_that_supports_swap(tiny_llama, tmp_path):
+    """A config built by hand skips load_config's check; the engine's build refuses it too."""
+    with pytest.raises(ConfigError, match=r"^engine.preemption: 'swap' needs a tier that can hold "
+                                          r"swapped blocks \(supports_swap: host, shm\)") as info:
+        make_engine(tiny_llama, [tier_config("lmdb", tmp_path)], num_blocks=SWAP_POOL, preemption="swap")
+    assert info.value.path == "engine.preemption"
+
+
+def test_private_swap_keys_differ_between_processes():
+    """Processes sharing an shm tier never meet on a private key, even a forked child parking
+    the same sequence under the same owner name."""
+    key = PrefixKey(list(range(40)), 16, chain_seed("m", 16))
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: its key, then out without running the parent's cleanup
+        os.write(write, _private_key(key, "req-0|0|1", 2, 40))
+        os._exit(0)
+    os.close(write)
+    child_key = os.read(read, 64)
+    os.waitpid(pid, 0)
+    os.close(read)
+    assert len(child_key) == 16 and child_key != _private_key(key, "req-0|0|1", 2, 40)
+    assert _private_key(key, "req-0|0|1", 2, 40) == _private_key(key, "req-0|0|1", 2, 40)
 
 
 def test_prefill_first_gives_first_tokens_sooner_and_the_same_outputs(tiny_llama, tmp_path):
