@@ -18,9 +18,14 @@ file or another transformers converts again. It is written under a temporary nam
 into place: a reader never sees half a folder, and of two processes converting at once one keeps
 its folder, the other uses it. Where the cache cannot be written the model is loaded from the
 GGUF file on every start, as before (logged once).
+
+The folder also keeps the model's fingerprint per dtype (:func:`remembered`, :func:`remember`), which
+otherwise costs a pass over every weight at each start: its writer, like anyone who can write here,
+decides what the model is.
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import shutil
@@ -102,3 +107,24 @@ def _convert(gguf_path: Path, folder: Path) -> None:
     # NOTE: save_model, not save_file: it writes a tied weight (lm_head = embed_tokens) once
     save_model(model, str(folder / "model.safetensors"), metadata={"format": "pt"})
     (folder / _DONE).write_text(f"converted from {gguf_path}\n")
+
+
+def remembered(folder: Path, name: str) -> str | None:
+    """What :func:`remember` kept in ``folder`` under ``name``, or ``None``."""
+    try:
+        return (folder / f"corekv-{name}").read_text().strip() or None
+    except OSError:
+        return None
+
+
+def remember(folder: Path, name: str, value: str) -> None:
+    """Keep ``value`` in ``folder`` under ``name`` (written whole or not at all; a folder that cannot
+    be written keeps nothing, and the value is computed again next time)."""
+    tmp = folder / f"corekv-{name}.{os.getpid()}.tmp"
+    try:
+        tmp.write_text(value + "\n")
+        os.replace(tmp, folder / f"corekv-{name}")
+    except OSError as exc:
+        logger.debug("could not keep %s in %s: %s", name, folder, exc)
+        with contextlib.suppress(OSError):
+            tmp.unlink()

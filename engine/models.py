@@ -37,6 +37,9 @@ DTYPES = ("float32", "bfloat16", "float16")
 _VOLATILE_CONFIG_KEYS = ("_name_or_path", "transformers_version", "_attn_implementation",
                          "_attn_implementation_internal", "_commit_hash", "dtype", "torch_dtype",
                          "architectures")
+#: bump when what model_fingerprint hashes changes: a converted GGUF folder keeps the fingerprint of
+#: its weights under this name (tests/engine/test_engine_gguf_cache.py compares it with a fresh one)
+_FINGERPRINT_NAME = "fingerprint-v1"
 
 
 @hookimpl
@@ -149,9 +152,11 @@ def load_model(model: str, *, dtype: str = "float32", device: str = "auto", plug
         raise CoreKVError(f"model must be a non-empty string (alias, folder or .gguf path), got {model!r}")
     torch_dtype, torch_device = resolve_dtype(dtype), resolve_device(device)
     path = _resolve_path(model, plugin_manager)
+    converted = None
     try:
         if path.is_file():
-            path = gguf_cache.converted_folder(path) or path
+            converted = gguf_cache.converted_folder(path)
+            path = converted or path
         with progress.phase(f"loading {model}"):
             config, tokenizer, hf_model = _load_hf(path, torch_dtype)
     except CoreKVError:
@@ -162,7 +167,17 @@ def load_model(model: str, *, dtype: str = "float32", device: str = "auto", plug
             "is a causal-LM checkpoint of an architecture your transformers version knows, and that gguf and "
             "accelerate are installed (pip install gguf accelerate)"
         ) from e
-    return prepare_model(hf_model, tokenizer, device=torch_device)
+    # NOTE: hashing every weight took a quarter of a second of each warm start; a converted folder
+    # (keyed by the GGUF file's digest and transformers' version) keeps it per dtype and torch
+    # version (which rounds the float32 weights to the dtype)
+    import torch
+
+    name = f"{_FINGERPRINT_NAME}-{dtype}-torch-{torch.__version__}"
+    known = gguf_cache.remembered(converted, name) if converted else None
+    loaded = prepare_model(hf_model, tokenizer, device=torch_device, fingerprint=known)
+    if converted and known is None:
+        gguf_cache.remember(converted, name, loaded.fingerprint)
+    return loaded
 
 
 def load_tokenizer(model: str, *, plugin_manager: Any = None) -> Any:
@@ -201,9 +216,13 @@ def reference_attention(loaded: LoadedModel, implementation: str = "sdpa"):
         loaded.model.set_attn_implementation(previous)
 
 
-def prepare_model(hf_model: Any, tokenizer: Any, *, device: Any) -> LoadedModel:
+def prepare_model(hf_model: Any, tokenizer: Any, *, device: Any, fingerprint: str | None = None) -> LoadedModel:
     """Check, move and wrap an already built HF causal LM (used by :func:`load_model`, by
-    :func:`corekv.engine.tiny_model.make_tiny_llama` and by tests)."""
+    :func:`corekv.engine.tiny_model.make_tiny_llama` and by tests).
+
+    :param fingerprint: :func:`model_fingerprint` of these weights when it is known already (kept
+        beside a converted GGUF folder); ``None`` computes it.
+    """
     from corekv.engine.attention import ATTENTION_NAME  # importing it registers the attention function
     from corekv.engine.cpu.linears import prepare_linear_weights
 
@@ -223,7 +242,7 @@ def prepare_model(hf_model: Any, tokenizer: Any, *, device: Any) -> LoadedModel:
         model=hf_model,
         tokenizer=tokenizer,
         hf_config=config,
-        fingerprint=model_fingerprint(hf_model),
+        fingerprint=fingerprint or model_fingerprint(hf_model),
         num_layers=config.num_hidden_layers,
         num_kv_heads=getattr(config, "num_key_value_heads", None) or num_heads,
         head_dim=getattr(config, "head_dim", None) or config.hidden_size // num_heads,

@@ -33,6 +33,16 @@ def test_the_default_model_loads_from_its_converted_folder(smollm2):
     assert smollm2.model.lm_head.weight is smollm2.model.get_input_embeddings().weight
 
 
+def test_the_fingerprint_kept_beside_the_converted_folder_is_the_weights_fingerprint(smollm2):
+    """A start reads the fingerprint the folder keeps instead of hashing every weight again: it
+    is the one the loaded weights hash to (a change to model_fingerprint must rename what is kept)."""
+    folder = gguf_cache.existing_folder(gguf_path())
+    kept = [gguf_cache.remembered(folder, path.name.removeprefix("corekv-"))
+            for path in folder.glob(f"corekv-{models._FINGERPRINT_NAME}-float32-*")]
+    assert kept == [smollm2.fingerprint]
+    assert models.model_fingerprint(smollm2.model) == smollm2.fingerprint
+
+
 def test_load_tokenizer_reads_the_converted_folder_and_encodes_as_the_engine_does(smollm2):
     tokenizer = load_tokenizer(models.DEFAULT_MODEL)
     assert Path(tokenizer.name_or_path) == gguf_cache.existing_folder(gguf_path())
