@@ -1,4 +1,4 @@
-"""``corekv store``: summarise, verify and clear a config's persistent tiers without loading a model.
+"""``corekv store``: summarise, verify, clear and prune a config's persistent tiers without loading a model.
 
 A :class:`corekv.tier.Tier` is opened for *one* model (its key prefix and header check come from
 the model fingerprint, which is a digest of the weights), so it cannot show a store shared by
@@ -15,13 +15,14 @@ process's memory, so a new process has nothing to inspect) is skipped with a not
 """
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 
 from corekv.block_format import EntryError, check_entry, read_header
 from corekv.errors import ConfigError, CoreKVError
 from corekv.plugin import make_plugin_manager
-from corekv.tier_admin import StoreAdmin, StoredEntry, make_store_admin
+from corekv.tier_admin import EntryUse, StoreAdmin, StoredEntry, make_store_admin
 
 
 @dataclass(frozen=True)
@@ -37,6 +38,14 @@ class StoreView:
         naming this tier (one line for ``corekv store``, never a traceback)."""
         try:
             yield from self.admin.entries()
+        except CoreKVError as e:
+            raise CoreKVError(f"tier {self.name!r}: {e}") from e
+
+    def usage(self) -> Iterator[EntryUse]:
+        """The admin view's entry sizes and ages; a store's failure names this tier, as in
+        :meth:`entries`."""
+        try:
+            yield from self.admin.usage()
         except CoreKVError as e:
             raise CoreKVError(f"tier {self.name!r}: {e}") from e
 
@@ -132,6 +141,50 @@ def clear(view: StoreView, model: str | None) -> int:
     view.admin.delete(refs)
     view.admin.sweep()
     return len(refs)
+
+
+def can_prune(view: StoreView) -> bool:
+    """Whether the view's store keeps entry ages (:attr:`StoreAdmin.age_basis`)."""
+    return view.admin.age_basis is not None
+
+
+def prune(view: StoreView, *, older_than_s: float | None = None, max_bytes: int | None = None,
+          now: float | None = None, dry_run: bool = False) -> dict:
+    """Delete, oldest first, the entries (of every model) unused for more than ``older_than_s``
+    seconds, then more until the store holds at most ``max_bytes``.
+
+    A shared store's capacity is no one machine's business: each engine's LRU sees only its own
+    uses, so a periodic prune by age (and a cap) is what keeps a store shared by a fleet bounded.
+    Age is :meth:`StoreAdmin.usage`'s ``last_used`` (``view.admin.age_basis`` says whether reads
+    count). ``dry_run`` deletes nothing and reports what would go.
+
+    :returns: ``entries``/``bytes`` before, ``deleted``/``deleted_bytes`` (by age and by size
+        together), ``by_age``, ``by_size``, ``kept_bytes``, the ``age_basis`` and the oldest kept
+        entry's age in seconds (``None``: none kept).
+    """
+    if older_than_s is None and max_bytes is None:
+        raise ValueError("prune needs older_than_s, max_bytes or both")
+    now = time.time() if now is None else now
+    uses = sorted(view.usage(), key=lambda use: use.last_used)
+    total = sum(use.num_bytes for use in uses)
+    num_old = 0
+    if older_than_s is not None:
+        num_old = next((i for i, use in enumerate(uses) if now - use.last_used <= older_than_s), len(uses))
+    kept = total - sum(use.num_bytes for use in uses[:num_old])
+    num_gone = num_old
+    while max_bytes is not None and kept > max_bytes and num_gone < len(uses):
+        kept -= uses[num_gone].num_bytes
+        num_gone += 1
+    gone = uses[:num_gone]
+    if gone and not dry_run:
+        view.admin.delete([use.ref for use in gone])
+    if not dry_run:
+        view.admin.sweep()
+    return {"name": view.name, "type": view.type, "age_basis": view.admin.age_basis,
+            "entries": len(uses), "bytes": total, "deleted": len(gone),
+            "deleted_bytes": total - kept, "by_age": num_old, "by_size": num_gone - num_old,
+            "kept_bytes": kept, "dry_run": dry_run,
+            "oldest_kept_age_s": now - uses[num_gone].last_used if num_gone < len(uses) else None}
 
 
 def _why_not_inspectable(spec) -> str:

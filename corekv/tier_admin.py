@@ -44,6 +44,21 @@ class StoredEntry:
     data: bytes
 
 
+@dataclass(frozen=True)
+class EntryUse:
+    """One entry's size and age, read without reading (or touching) the entry itself.
+
+    ``ref`` and ``model`` are as in :class:`StoredEntry`; ``num_bytes`` the bytes it takes as the
+    store counts them; ``last_used`` when it was last used, in seconds since the epoch, by the
+    store's own clock (what "used" means is :attr:`StoreAdmin.age_basis`).
+    """
+
+    ref: Hashable
+    model: str
+    num_bytes: int
+    last_used: float
+
+
 class StoreAdmin(ABC):
     """A persistent tier's storage seen whole, across every model stored in it.
 
@@ -52,7 +67,13 @@ class StoreAdmin(ABC):
     iterating; :meth:`delete` ignores refs already gone. A view never validates entries: that is
     :mod:`corekv.store`'s job, the same for every tier. Use it as a context manager or call
     :meth:`close` once.
+
+    Capability: ``age_basis`` says what :meth:`usage`'s ``last_used`` means for this store
+    (``"last read or write"``, ``"last write"``); ``None`` (the default): the store keeps no
+    entry ages, so ``corekv store prune`` cannot prune it.
     """
+
+    age_basis: str | None = None
 
     @abstractmethod
     def entries(self) -> Iterator[StoredEntry]:
@@ -61,6 +82,11 @@ class StoreAdmin(ABC):
     @abstractmethod
     def delete(self, refs: Sequence[Hashable]) -> None:
         """Remove the entries ``refs`` name (``StoredEntry.ref``); refs already gone are ignored."""
+
+    def usage(self) -> Iterator[EntryUse]:
+        """Every entry's size and age (``corekv store prune``), without reading the entries and
+        without counting as a use of them. Views with an ``age_basis`` implement it."""
+        raise NotImplementedError(f"{type(self).__name__} keeps no entry ages (age_basis is None)")
 
     def capacity_bytes(self) -> int | None:
         """Bytes the store may hold (``None``: unbounded, or decided by a server)."""

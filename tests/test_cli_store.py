@@ -169,6 +169,45 @@ def test_clear_requires_yes_then_empties_the_store(store, capsys):
     assert result["deleted"] == {"lmdb": 0}
 
 
+def test_prune_to_a_size_keeps_the_newest_entries_and_says_what_went(store, capsys):
+    path, fp12, _, block_bytes = store
+    entry_bytes = HEADER_SIZE + block_bytes
+    code, [before] = store_json(capsys, "stats", "--config", str(path))
+    assert before["entries"] >= 4
+    half = before["entries"] // 2
+    code, [dry] = store_json(capsys, "prune", "--config", str(path), "--max-size",
+                             str(half * entry_bytes), "--dry-run")
+    assert code == 0 and dry["dry_run"] and dry["deleted"] == before["entries"] - half
+    code, [row] = store_json(capsys, "stats", "--config", str(path))
+    assert row["entries"] == before["entries"]  # a dry run deletes nothing
+    code, [pruned] = store_json(capsys, "prune", "--config", str(path), "--max-size",
+                                str(half * entry_bytes), "--older-than", "1w", "--yes")
+    assert (pruned["deleted"], pruned["by_size"], pruned["by_age"]) == (before["entries"] - half,
+                                                                        before["entries"] - half, 0)
+    code, [row] = store_json(capsys, "stats", "--config", str(path))
+    assert row["entries"] == half and row["bytes"] == half * entry_bytes
+    assert main(["store", "prune", "--config", str(path), "--older-than", "0s", "--yes"]) == 0
+    assert f"lmdb: deleted {half} of {half} entries" in capsys.readouterr().out
+    code, [row] = store_json(capsys, "stats", "--config", str(path))
+    assert row["entries"] == 0
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--older-than", "7x", "--yes"], "argument --older-than: got '7x'; expected a number and a unit"),
+    (["--older-than=-1d", "--yes"], "argument --older-than: got '-1d'"),
+    (["--max-size", "10XB", "--yes"], "argument --max-size: got '10XB'; expected a size"),
+    (["--max-size", "0", "--yes"], "argument --max-size: got '0'; expected a size >= 1 byte"),
+    (["--yes"], "store prune needs --older-than AGE, --max-size SIZE or both"),
+    (["--older-than", "7d"], "store prune deletes entries and asks no question: add --yes"),
+])
+def test_prune_refuses_bad_values_naming_the_flag(store, capsys, args, message):
+    path, *_ = store
+    assert main(["store", "prune", "--config", str(path), *args]) == 2
+    assert message in capsys.readouterr().err
+    code, [row] = store_json(capsys, "stats", "--config", str(path))
+    assert row["entries"] > 0
+
+
 def test_store_without_tiers_or_with_an_unknown_tier_is_a_config_error(tmp_path, capsys):
     path = tmp_path / "plain.yaml"
     path.write_text("device: cpu\n")

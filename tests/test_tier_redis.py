@@ -30,6 +30,10 @@ class TestRedisTier(TierTests):
 
 
 class TestRedisAdmin(StoreAdminTests):
+    #: an entry's age is the server's idle time, whole seconds read against this machine's clock
+    #: (up to a second apart between two listings, and between nodes)
+    age_step_s = 3.5
+
     @pytest.fixture(autouse=True)
     def _server(self, redis_server):  # noqa: F811
         self.server = redis_server
@@ -111,6 +115,22 @@ def test_a_full_noeviction_server_skips_writes_warns_once_and_keeps_serving_read
             first_kept = keys[stored.index(True)]
             assert bytes(tier.get_one(first_kept)) == block_payload(first_kept, 64 * 1024)
             assert tier.exists([first_kept]) == 1, "a full server must keep serving reads"
+    finally:
+        server.stop()
+
+
+def test_a_server_under_an_lfu_policy_has_no_ages_to_prune_and_says_so(tmp_path):
+    from corekv.store import StoreView, prune
+
+    server = RedisServer(tmp_path, "--maxmemory-policy", "allkeys-lfu").start()
+    try:
+        keys = make_keys(2)
+        with RedisTier(url=server.url, block_bytes=4096, fingerprint=FINGERPRINT) as tier:
+            tier.put([(k, block_payload(k, 4096)) for k in keys])
+        with RedisAdmin(url=server.url) as admin:
+            with pytest.raises(CoreKVError, match=r"tier 'redis': .*LFU.*so its entries have no age"):
+                prune(StoreView("redis", "redis", admin), older_than_s=60)
+            assert len(list(admin.entries())) == 2  # nothing deleted
     finally:
         server.stop()
 

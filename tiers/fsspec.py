@@ -20,7 +20,7 @@ from fsspec.implementations.local import LocalFileSystem
 from corekv.errors import ConfigError, CoreKVError, describe_exception
 from corekv.plugin import Option, TierSpec, hookimpl
 from corekv.tier import BlockHash, Tier
-from corekv.tier_admin import StoreAdmin, StoredEntry
+from corekv.tier_admin import EntryUse, StoreAdmin, StoredEntry
 from corekv.tier_faults import Cooldowns
 from corekv.tiers.fsspec_calls import Calls, open_filesystem
 from corekv.tiers.local_objects import TMP_MARK as _TMP_MARK
@@ -301,6 +301,20 @@ class FsspecAdmin(StoreAdmin):
                     continue  # deleted (evicted) since the listing
                 self._check(outcome, "read")
                 yield StoredEntry(path, key, model, outcome)
+
+    #: NOTE: object stores keep no read time and the tier does not rewrite an object on a hit
+    age_basis = "last write"
+
+    def usage(self) -> Iterator[EntryUse]:
+        """Every block object's size and modification time, from one listing (no object read)."""
+        found = self._calls.listing(self.root, detail=True)
+        if isinstance(found, FileNotFoundError):
+            return
+        self._check(found, "list")
+        for path, info in found.items():
+            parsed = _parse_object_path(self.root, self.fs._strip_protocol(path))
+            if parsed is not None and info.get("type", "file") == "file":
+                yield EntryUse(path, parsed[0], int(info.get("size") or 0), _mtime(info))
 
     def delete(self, refs: Sequence[str]) -> None:
         for start in range(0, len(refs), _ADMIN_BATCH):

@@ -16,7 +16,7 @@ import lmdb
 from corekv.errors import ConfigError, CoreKVError
 from corekv.plugin import Option, TierSpec, hookimpl
 from corekv.tier import BlockHash, Tier
-from corekv.tier_admin import StoreAdmin, StoredEntry
+from corekv.tier_admin import EntryUse, StoreAdmin, StoredEntry
 from corekv.tiers.lmdb_file import close_lmdb, open_lmdb
 
 logger = logging.getLogger(__name__)
@@ -357,6 +357,26 @@ class LMDBAdmin(StoreAdmin):
     def delete(self, refs: Sequence[bytes]) -> None:
         with self.env.begin(write=True) as txn:
             _delete_db_keys(txn, refs, self._blocks, self._access)
+
+    #: NOTE: a running tier writes its hits' stamps in batches (every 256 hits, on its next
+    #: write and on close), so a use may show up to that late
+    age_basis = "last read or write"
+
+    def usage(self) -> Iterator[EntryUse]:
+        """Every entry's size and access stamp (an entry without one counts as used at the epoch)."""
+        try:
+            # NOTE: buffers=True: the sizes are read from the map without copying the entries
+            with self.env.begin(buffers=True) as txn:
+                for db_key, data in txn.cursor(db=self._blocks):
+                    stamp = txn.get(db_key, db=self._access)
+                    last_used = int.from_bytes(stamp, "little") / 1e9 if stamp is not None else 0.0
+                    db_key = bytes(db_key)
+                    yield EntryUse(db_key, _split_db_key(db_key)[0], len(data), last_used)
+        except lmdb.Error as e:
+            raise StoreDamagedError(f"the LMDB store at {self.path} is damaged "
+                                    f"({type(e).__name__}: {' '.join(str(e).split())}); move its "
+                                    "folder away or delete it") from e
+
 
     def capacity_bytes(self) -> int:
         return self.env.info()["map_size"]

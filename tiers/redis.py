@@ -14,12 +14,13 @@ from __future__ import annotations
 
 import logging
 import re
+import time
 from collections.abc import Iterator, Sequence
 
 from corekv.errors import ConfigError, CoreKVError, describe_exception
 from corekv.plugin import Option, TierSpec, hookimpl
 from corekv.tier import BlockHash, Tier
-from corekv.tier_admin import StoreAdmin, StoredEntry
+from corekv.tier_admin import EntryUse, StoreAdmin, StoredEntry
 from corekv.tier_faults import Cooldowns
 from corekv.tiers.redis_nodes import RedisNodes, import_redis, open_nodes, without_password
 
@@ -319,19 +320,36 @@ class RedisAdmin(StoreAdmin):
             self._nodes.close()
             raise
 
+    #: NOTE: the server's LRU clock (OBJECT IDLETIME), which reads and writes reset and which
+    #: this view reads without resetting; a server under an LFU maxmemory-policy keeps none
+    age_basis = "last read or write"
+
     def entries(self) -> Iterator[StoredEntry]:
-        for node, client in self._nodes.primaries():
-            scan = client.scan_iter(match=f"{_NAMESPACE}*", count=1000)
-            batch = []
-            while True:
-                redis_key = self._guarded(node, "scan", lambda: next(scan, None))
-                if redis_key is not None and _parse_redis_key(redis_key) is not None:
-                    batch.append(redis_key)
-                if len(batch) == _GET_BATCH or (redis_key is None and batch):
-                    yield from self._fetch(node, client, batch)
-                    batch = []
-                if redis_key is None:
-                    break
+        for node, client, batch in self._scan():
+            yield from self._fetch(node, client, batch)
+
+    def usage(self) -> Iterator[EntryUse]:
+        """Every block's idle time and memory (OBJECT IDLETIME, MEMORY USAGE: neither touches it)."""
+        for node, client, batch in self._scan():
+            pipe = client.pipeline(transaction=False)
+            for redis_key in batch:
+                pipe.execute_command("OBJECT", "IDLETIME", redis_key)
+                pipe.execute_command("MEMORY", "USAGE", redis_key)
+            try:
+                replies = self._guarded(node, "idletime", pipe.execute)
+            except CoreKVError as e:
+                if "LFU" in str(e):
+                    raise CoreKVError(f"redis at {self.url_for_logs} keeps no idle times (its "
+                                      "maxmemory-policy is an LFU one), so its entries have no age; "
+                                      "prune it with a volatile-lru/allkeys-lru policy, or set the "
+                                      "tier's ttl") from e
+                raise
+            now = time.time()
+            for i, redis_key in enumerate(batch):
+                idle_s, num_bytes = replies[2 * i], replies[2 * i + 1]
+                if idle_s is None or num_bytes is None:  # expired or evicted since the scan
+                    continue
+                yield EntryUse(redis_key, _parse_redis_key(redis_key)[0], int(num_bytes), now - int(idle_s))
 
     def delete(self, refs: Sequence[bytes]) -> None:
         for start in range(0, len(refs), _GET_BATCH):
@@ -345,6 +363,21 @@ class RedisAdmin(StoreAdmin):
 
     def close(self) -> None:
         self._nodes.close()
+
+    def _scan(self) -> Iterator[tuple[str, object, list[bytes]]]:
+        """Every primary's block keys, ``_GET_BATCH`` at a time: ``(node, client, keys)``."""
+        for node, client in self._nodes.primaries():
+            scan = client.scan_iter(match=f"{_NAMESPACE}*", count=1000)
+            batch = []
+            while True:
+                redis_key = self._guarded(node, "scan", lambda: next(scan, None))
+                if redis_key is not None and _parse_redis_key(redis_key) is not None:
+                    batch.append(redis_key)
+                if len(batch) == _GET_BATCH or (redis_key is None and batch):
+                    yield node, client, batch
+                    batch = []
+                if redis_key is None:
+                    break
 
     def _fetch(self, node: str, client, redis_keys: list[bytes]) -> Iterator[StoredEntry]:
         pipe = client.pipeline(transaction=False)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import re
 from typing import Any
 
 from corekv.config.values import SIZE_EXAMPLES, parse_size
@@ -142,6 +143,21 @@ def size_arg(text: str) -> int:
     if value is None or value < 1:
         raise argparse.ArgumentTypeError(f"got {text!r}; expected a size >= 1 byte ({SIZE_EXAMPLES})")
     return value
+
+
+_DURATION_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
+_DURATION_RE = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*([a-zA-Z]*)\s*$")
+
+
+def duration_arg(text: str) -> float:
+    """An argparse ``type``: an age or a duration, in seconds (``90s``, ``30m``, ``12h``, ``7d``,
+    ``2w``; a bare number is seconds)."""
+    match = _DURATION_RE.match(text)
+    unit = match.group(2).lower() if match else None
+    if unit not in _DURATION_UNITS and unit != "":
+        raise argparse.ArgumentTypeError(f"got {text!r}; expected a number and a unit, one of "
+                                         "s, m, h, d, w (e.g. 12h or 7d)")
+    return float(match.group(1)) * _DURATION_UNITS.get(unit, 1)
 
 
 def non_empty(text: str) -> str:

@@ -1,4 +1,4 @@
-"""``corekv store stats|ls|verify|clear``: the command-line side of :mod:`corekv.store`, which
+"""``corekv store stats|ls|verify|clear|prune``: the command-line side of :mod:`corekv.store`, which
 opens the config's persistent tiers through their admin views (no model is loaded, except by
 ``clear`` without ``--model``/``--all-models``, for the config's model's fingerprint)."""
 from __future__ import annotations
@@ -8,8 +8,8 @@ import json
 import re
 import sys
 
-from corekv.cli.args import (EXIT_RUNTIME, Parser, UsageError, int_at_least, parser_kwargs,
-                             read_config_arg)
+from corekv.cli.args import (EXIT_RUNTIME, Parser, UsageError, duration_arg, int_at_least,
+                             parser_kwargs, read_config_arg, size_arg)
 from corekv.cli.output import print_table
 
 
@@ -44,7 +44,17 @@ def add_store_commands(commands, common) -> None:
              "fingerprint), of --model FP12, or of every model (--all-models). Asks nothing: "
              "requires --yes.",
              "  corekv store clear --yes\n  corekv store clear --all-models --yes\n"
-             "  corekv store clear --model 0123456789ab --yes\n")):
+             "  corekv store clear --model 0123456789ab --yes\n"),
+            ("prune", "delete entries by age and/or to a size, oldest first",
+             "Delete the entries (of every model) unused for longer than --older-than, then, "
+             "oldest first, more until each tier holds at most --max-size. For stores shared by "
+             "several machines, whose engines each see only their own uses: run it from cron. "
+             "Age is the last read or write where the store records reads (lmdb, shm, redis) "
+             "and the last write on object stores (fsspec). Asks nothing: requires --yes or "
+             "--dry-run.",
+             "  corekv store prune --older-than 7d --yes\n"
+             "  corekv store prune --max-size 10GiB --tier s3 --yes\n"
+             "  corekv store prune --older-than 12h --max-size 50GiB --dry-run\n")):
         p = sub.add_parser(name, parents=[common], help=help_text,
                            **parser_kwargs(description, examples))
         p.add_argument("--tier", metavar="NAME", help=tier_help)
@@ -59,6 +69,14 @@ def add_store_commands(commands, common) -> None:
             p.add_argument("--model", metavar="FP12",
                            help="delete this model's entries (as `corekv store stats` shows it)")
             p.add_argument("--yes", action="store_true", help="really delete (required)")
+        if name == "prune":
+            p.add_argument("--older-than", metavar="AGE", type=duration_arg,
+                           help="delete entries unused for longer than AGE (30m, 12h, 7d, 2w)")
+            p.add_argument("--max-size", metavar="SIZE", type=size_arg,
+                           help="then delete the oldest until each tier holds at most SIZE "
+                           "(10GiB, 500MB)")
+            p.add_argument("--dry-run", action="store_true", help="delete nothing; say what would go")
+            p.add_argument("--yes", action="store_true", help="really delete (or --dry-run)")
         p.set_defaults(handler=cmd_store)
 
 
@@ -75,6 +93,12 @@ def cmd_store(args: argparse.Namespace) -> int:
                              "`corekv store stats` shows for a model")
         if not args.yes:
             raise UsageError("store clear deletes entries and asks no question: add --yes")
+    if action == "prune":
+        if args.older_than is None and args.max_size is None:
+            raise UsageError("store prune needs --older-than AGE, --max-size SIZE or both")
+        if not (args.yes or args.dry_run):
+            raise UsageError("store prune deletes entries and asks no question: add --yes "
+                             "(or --dry-run to see what would go)")
     views, skipped = store.open_views(cfg, args.tier, plugin_manager=plugin_manager)
     for line in skipped:
         print(f"note: skipped tier {line}", file=sys.stderr)
@@ -85,6 +109,8 @@ def cmd_store(args: argparse.Namespace) -> int:
             return _store_ls(views, args.limit, args.json)
         if action == "verify":
             return _store_verify(views, args.delete_bad, args.json, cfg.cache.integrity.secret())
+        if action == "prune":
+            return _store_prune(views, args)
         model = None if args.all_models else (args.model or _model_fp12(cfg, plugin_manager))
         result = {view.name: store.clear(view, model) for view in views}
         if args.json:
@@ -175,3 +201,35 @@ def _store_verify(views, delete_bad: bool, as_json: bool, secret: bytes | None) 
             for bad in r["bad_entries"]:
                 print(f"  bad {bad['key']} (model {bad['model']}): {bad['reason']}")
     return EXIT_RUNTIME if any(r["bad"] for r in results) else 0
+
+
+def _store_prune(views, args) -> int:
+    from corekv import store
+
+    prunable = [view for view in views if store.can_prune(view)]
+    for view in views:
+        if view not in prunable:
+            print(f"note: skipped tier {view.name} ({view.type}: its store keeps no entry ages)",
+                  file=sys.stderr)
+    if not prunable:
+        raise UsageError("store prune: no tier of the config keeps entry ages "
+                         f"({', '.join(v.name for v in views)}); use `corekv store clear`")
+    results = [store.prune(view, older_than_s=args.older_than, max_bytes=args.max_size,
+                           dry_run=args.dry_run) for view in prunable]
+    if args.json:
+        print(json.dumps(results, indent=2))
+        return 0
+    verb = "would delete" if args.dry_run else "deleted"
+    for r in results:
+        oldest = "nothing" if r["oldest_kept_age_s"] is None else f"the oldest used {_age(r['oldest_kept_age_s'])} ago"
+        print(f"{r['name']}: {verb} {r['deleted']} of {r['entries']} entries "
+              f"({format_size(r['deleted_bytes'])}; {r['by_age']} by age, {r['by_size']} by size), "
+              f"kept {format_size(r['kept_bytes'])}, {oldest} (age: {r['age_basis']})")
+    return 0
+
+
+def _age(seconds: float) -> str:
+    for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
+        if seconds >= size:
+            return f"{seconds / size:.1f}{unit}"
+    return f"{max(seconds, 0.0):.0f}s"

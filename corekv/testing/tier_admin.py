@@ -18,6 +18,8 @@ allows one open of a store per process), and closes both.
 """
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from corekv.block_format import HEADER_SIZE, EntryError, check_entry
@@ -32,6 +34,9 @@ class StoreAdminTests:
 
     block_bytes = 256
     fingerprints = (b"corekv-testing-model-a", b"corekv-testing-model-b")
+    #: seconds between writes whose ages must differ: past one tick of the coarsest clock a
+    #: store keeps (Redis's LRU clock and S3's LastModified count whole seconds)
+    age_step_s = 1.5
 
     def make_tier(self, tmp_path, block_bytes: int, fingerprint: bytes) -> Tier:
         raise NotImplementedError("subclasses of StoreAdminTests define "
@@ -45,6 +50,10 @@ class StoreAdminTests:
         with self.make_tier(tmp_path, self.block_bytes, fingerprint) as tier:
             assert tier.put([(k, block_payload(k, self.block_bytes)) for k in keys]) == len(keys)
             return tier.fp12
+
+    def age_basis(self, tmp_path) -> str | None:
+        with self.make_admin(tmp_path) as admin:
+            return admin.age_basis
 
     def listed(self, tmp_path) -> dict[tuple[str, bytes], StoredEntry]:
         with self.make_admin(tmp_path) as admin:
@@ -110,3 +119,71 @@ class StoreAdminTests:
             assert len(list(admin.entries())) == 1
         with self.make_tier(tmp_path, self.block_bytes, self.fingerprints[0]) as tier:
             assert bytes(tier.get_one(key)) == block_payload(key, self.block_bytes)
+
+    # ------------------------------------------------------------------ ages and pruning
+    def test_usage_gives_every_entry_its_size_and_a_past_time(self, tmp_path):
+        """Views with an ``age_basis`` list, without reading them, the entries :meth:`entries`
+        lists, each at least as large as its data and last used in the past."""
+        keys = make_keys(3, salt="admin-usage")
+        self.fill(tmp_path, self.fingerprints[0], keys)
+        self.fill(tmp_path, self.fingerprints[1], keys[:1])
+        with self.make_admin(tmp_path) as admin:
+            if admin.age_basis is None:
+                pytest.skip(f"{type(admin).__name__} keeps no entry ages")
+            uses = list(admin.usage())
+            entries = list(admin.entries())
+        assert sorted((u.ref, u.model) for u in uses) == sorted((e.ref, e.model) for e in entries)
+        size_of = {e.ref: len(e.data) for e in entries}
+        now = time.time()
+        for use in uses:
+            assert use.num_bytes >= size_of[use.ref]
+            assert now - 3600 < use.last_used <= now + 1
+
+    def test_prune_deletes_the_oldest_first_by_size_then_by_age(self, tmp_path):
+        from corekv.store import StoreView, prune
+
+        keys = make_keys(3, salt="admin-prune")
+        self.fill(tmp_path, self.fingerprints[0], [])
+        if self.age_basis(tmp_path) is None:
+            pytest.skip("the view keeps no entry ages")
+        for key in keys:  # oldest first
+            fp12 = self.fill(tmp_path, self.fingerprints[0], [key])
+            time.sleep(self.age_step_s)
+        with self.make_admin(tmp_path) as admin:
+            view = StoreView("store", "test", admin)
+            # NOTE: no entries() here: reading an entry is a use where reads count
+            uses = sorted(view.usage(), key=lambda use: use.last_used)
+            assert len(uses) == 3
+            newest_two = uses[1].num_bytes + uses[2].num_bytes
+            dry = prune(view, max_bytes=newest_two, dry_run=True)
+            assert (dry["deleted"], dry["by_size"], dry["by_age"]) == (1, 1, 0)
+            assert len(list(admin.usage())) == 3
+            by_size = prune(view, max_bytes=newest_two)
+            assert (by_size["deleted"], by_size["kept_bytes"]) == (1, newest_two)
+            # an age between the two left, measured at the newest one's last use
+            halfway = (uses[2].last_used - uses[1].last_used) / 2
+            by_age = prune(view, older_than_s=halfway, now=uses[2].last_used)
+            assert (by_age["deleted"], by_age["by_age"], by_age["entries"]) == (1, 1, 2)
+        assert set(self.listed(tmp_path)) == {(fp12, keys[2])}  # the first by size, then by age
+
+    def test_reads_count_as_uses_where_the_store_records_them(self, tmp_path):
+        """With ``age_basis == "last read or write"`` a read makes an entry the newest, and
+        :meth:`usage` itself is no read (a prune run twice deletes the same way)."""
+        from corekv.store import StoreView, prune
+
+        keys = make_keys(2, salt="admin-prune-reads")
+        fp12 = self.fill(tmp_path, self.fingerprints[0], keys)
+        if self.age_basis(tmp_path) != "last read or write":
+            pytest.skip("the view's ages count writes only")
+        time.sleep(self.age_step_s)
+        with self.make_tier(tmp_path, self.block_bytes, self.fingerprints[0]) as tier:
+            assert tier.get_one(keys[1]) is not None
+        time.sleep(self.age_step_s)
+        with self.make_admin(tmp_path) as admin:
+            view = StoreView("store", "test", admin)
+            first = {u.ref: u.last_used for u in view.usage()}
+            second = {u.ref: u.last_used for u in view.usage()}
+            assert all(time.time() - second[ref] >= 1.0 for ref in second), (first, second)
+            one_entry = max(u.num_bytes for u in view.usage())
+            assert prune(view, max_bytes=one_entry)["deleted"] == 1
+        assert set(self.listed(tmp_path)) == {(fp12, keys[1])}
