@@ -39,6 +39,24 @@ def _digest_function(algorithm: str):
     return digest
 
 
+def check_cache_salt(cache_salt: object, *, allow_empty: bool = True) -> str | None:
+    """The one check of a tenant salt, made where it enters corekv: the engine's public calls,
+    the server's request bodies, and :func:`chain_seed` for code that builds keys itself.
+    What it lets through is trusted from there on (:class:`PrefixKey`, block events).
+
+    :param allow_empty: ``""`` is the same as ``None`` (no salt); the server passes False, since
+        a JSON client sending ``""`` more likely lost its salt than meant none.
+    :returns: the salt, ``""`` read as ``None``.
+    :raises TypeError: for anything but a str or None (and ``""`` when not ``allow_empty``).
+    """
+    if cache_salt is None or (cache_salt.__class__ is str and (cache_salt or allow_empty)):
+        return cache_salt or None
+    text = repr(cache_salt)
+    raise TypeError(f"cache_salt: got {text if len(text) <= 80 else text[:77] + '...'}; expected "
+                    f"{'a' if allow_empty else 'a non-empty'} string (the tenant's salt: prefixes are "
+                    "shared only within one salt) or None (null in JSON) for no salt")
+
+
 def chain_seed(
     model_fingerprint: str,
     block_size: int,
@@ -58,8 +76,7 @@ def chain_seed(
         raise TypeError(f"model_fingerprint must be a str, got {type(model_fingerprint).__name__}")
     if not isinstance(block_size, int) or isinstance(block_size, bool) or block_size < 1:
         raise ValueError(f"block_size must be an int >= 1, got {block_size!r}")
-    if cache_salt is not None and not isinstance(cache_salt, str):
-        raise TypeError(f"cache_salt must be a str or None, got {type(cache_salt).__name__}")
+    cache_salt = check_cache_salt(cache_salt)
     if isinstance(extra_keys, (str, bytes)):
         raise TypeError(f"extra_keys must be a sequence of keys, got the single string "
                         f"{extra_keys!r}; wrap it in a list: [{extra_keys!r}]")
@@ -133,8 +150,6 @@ class PrefixKey:
                             f"{type(namespace).__name__}; build it with chain_seed()")
         if algorithm not in _DIGESTS:
             raise ValueError(f"algorithm must be one of {HASH_ALGORITHMS}, got {algorithm!r}")
-        if cache_salt is not None and cache_salt.__class__ is not str:
-            raise TypeError(f"cache_salt must be a str or None, got {type(cache_salt).__name__}")
         self.token_ids = list(token_ids)
         self.block_size = block_size
         self.namespace = namespace

@@ -27,7 +27,7 @@ import torch
 from corekv.config import Config
 from corekv.errors import ConfigError, CoreKVError, describe_exception
 from corekv.engine.cpu.native import NativeBuildError, wants_native_kernels
-from corekv.hashing import PrefixKey, chain_seed
+from corekv.hashing import PrefixKey, chain_seed, check_cache_salt
 from corekv.offload import make_offload
 from corekv.plugin import make_plugin_manager
 from corekv.engine.block_manager import BlockManager
@@ -270,7 +270,9 @@ class Engine:
         """
         prompt_list = as_prompt_list(prompts)
         params_list = per_prompt("sampling_params", sampling_params, len(prompt_list), SamplingParams)
-        salts = per_prompt("cache_salt", cache_salt, len(prompt_list), str)
+        # NOTE: any one salt is spread over the prompts here and checked by _make_request, so a bad
+        # one reads as at every other verb (check_cache_salt)
+        salts = per_prompt("cache_salt", cache_salt, len(prompt_list), object)
         offloads = per_prompt("offload", offload, len(prompt_list), bool)
         # NOTE: every prompt is checked before any is queued, so a bad one leaves the engine idle.
         requests = [self._make_request(p, sp, salt, None, offload=o)
@@ -339,6 +341,7 @@ class Engine:
             raise CoreKVError("warm() needs engine.enable_prefix_caching: true (nothing is kept otherwise)")
         if not isinstance(pin, bool):
             raise TypeError(f"warm(pin=...) must be True or False, got {pin!r}")
+        check_cache_salt(cache_salt)  # NOTE: before a short prompt returns, so a bad salt never passes
         token_ids = self.encode(prompt, add_generation_prompt=False)
         if len(token_ids) < self.block_size:
             logger.warning("warm: the prompt is %d tokens, shorter than one %d-token block "
@@ -359,6 +362,7 @@ class Engine:
 
     def unpin(self, prompt: Any, cache_salt: str | None = None) -> int:
         """Undo one ``warm(prompt, pin=True, cache_salt)``; returns the number of tokens unpinned."""
+        check_cache_salt(cache_salt)
         token_ids = self.encode(prompt, add_generation_prompt=False)
         return self.backend.unpin(self.prefix_key(token_ids, cache_salt)) * self.block_size
 
@@ -427,8 +431,7 @@ class Engine:
         if not isinstance(params, SamplingParams):
             raise TypeError(f"sampling_params must be a corekv.SamplingParams (or None), got "
                             f"{type(params).__name__}; build one with corekv.SamplingParams(max_tokens=...)")
-        if cache_salt is not None and not isinstance(cache_salt, str):
-            raise TypeError(f"cache_salt must be a str or None, got {cache_salt!r}; pass the tenant's salt")
+        check_cache_salt(cache_salt)
         if request_id is None:
             request_id = str(next(self._request_counter))
         elif not isinstance(request_id, str) or request_id in self._requests:

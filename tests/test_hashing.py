@@ -8,7 +8,7 @@ import sys
 import pytest
 import xxhash
 
-from corekv.hashing import PrefixKey, block_hashes, chain_seed, pack_tokens
+from corekv.hashing import PrefixKey, block_hashes, chain_seed, check_cache_salt, pack_tokens
 
 TOKENS = list(range(1000, 1000 + 50))
 
@@ -77,6 +77,17 @@ def test_hashes_are_identical_in_another_process_with_another_hash_seed():
                          check=True).stdout.strip()
     mine = block_hashes(TOKENS, 4, chain_seed("model", 4, "salt", ["lora"]))
     assert out.split(",") == [h.hex() for h in mine]
+
+
+def test_check_cache_salt_is_the_one_rule_for_salts():
+    assert [check_cache_salt(s) for s in (None, "", "tenant-a")] == [None, None, "tenant-a"]
+    with pytest.raises(TypeError, match=r"^cache_salt: got 7; expected a string \(the tenant's salt"):
+        check_cache_salt(7)
+    with pytest.raises(TypeError, match=r"^cache_salt: got ''; expected a non-empty string"):
+        check_cache_salt("", allow_empty=False)
+    with pytest.raises(TypeError, match=r"^cache_salt: got b'x'"):
+        chain_seed("model", 4, cache_salt=b"x")  # where code builds keys itself, the same check
+    assert chain_seed("model", 4, cache_salt="") == chain_seed("model", 4)
 
 
 def test_bad_arguments_name_the_argument():

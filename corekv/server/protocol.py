@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from corekv.config.values import describe_value, did_you_mean
+from corekv.hashing import check_cache_salt
 from corekv.engine.sampling import MAX_LOGPROBS, SamplingParams
 
 __all__ = ["APIError", "GenerateRequest", "error_body", "parse_json", "parse_completion",
@@ -343,12 +344,10 @@ def _check_fields(body: Mapping, known: tuple[str, ...],
 
 
 def _salt(body: Mapping) -> str | None:
-    salt = body.get("cache_salt")
-    if salt is not None and (not isinstance(salt, str) or not salt):
-        raise APIError(f"cache_salt must be a non-empty string or null, got {describe_value(salt)}; pass "
-                       "the tenant's salt (prefixes are shared only within one salt)",
-                       param="cache_salt")
-    return salt
+    try:
+        return check_cache_salt(body.get("cache_salt"), allow_empty=False)
+    except TypeError as e:
+        raise APIError(str(e), param="cache_salt") from None
 
 
 def _refuse_constant(name: str) -> Any:

@@ -175,6 +175,20 @@ def test_batch_arguments_are_validated_before_anything_runs(tiny_llama):
         assert engine.stats()["num_waiting"] == 0 and not engine.has_unfinished_requests
 
 
+def test_a_bad_salt_is_refused_by_every_verb_in_one_wording(tiny_llama):
+    """The salt is checked where it enters (corekv.hashing.check_cache_salt), with one message,
+    even where nothing would be computed (a prompt shorter than a block)."""
+    with make_engine(tiny_llama) as engine:
+        calls = [lambda: engine.generate("a", GREEDY, cache_salt=5),
+                 lambda: engine.add_request("a", GREEDY, cache_salt=5),
+                 lambda: engine.warm("a", cache_salt=5), lambda: engine.unpin("a", cache_salt=5)]
+        for call in calls:
+            with pytest.raises(TypeError) as info:
+                call()
+            assert str(info.value).startswith("cache_salt: got 5; expected a string (the tenant's salt")
+        assert not engine.has_unfinished_requests
+
+
 def test_cache_salts_keep_tenants_apart(tiny_llama):
     prompt = list(range(3, 60))
     with make_engine(tiny_llama) as engine:
