@@ -98,6 +98,50 @@ class _Active:
         _push(self.loop, self.events.put_nowait, event)
 
 
+# -- inbox items: what the event loop hands the engine thread ----------------------------------
+@dataclass(frozen=True)
+class _Add:
+    """Admit a request (already tokenized); ``admitted`` is settled once it is, or failed to be,
+    and its deltas and output go to ``events``."""
+
+    request_id: str
+    prompt: Any
+    token_ids: list[int]
+    params: SamplingParams
+    cache_salt: str | None
+    events: asyncio.Queue
+    loop: asyncio.AbstractEventLoop
+    admitted: asyncio.Future
+
+    def refuse(self, error: BaseException) -> None:
+        _push(self.loop, _settle, self.admitted, None, error)
+
+
+@dataclass(frozen=True)
+class _Call:
+    """Run ``fn(engine)`` between steps; ``done`` gets its result or error."""
+
+    fn: Callable[[Any], Any]
+    loop: asyncio.AbstractEventLoop
+    done: asyncio.Future
+
+    def refuse(self, error: BaseException) -> None:
+        _push(self.loop, _settle, self.done, None, error)
+
+
+@dataclass(frozen=True)
+class _Abort:
+    request_id: str
+
+
+@dataclass(frozen=True)
+class _Stop:
+    pass
+
+
+_InboxItem = _Add | _Call | _Abort | _Stop
+
+
 class AsyncEngine:
     """Drives one :class:`corekv.Engine` from its own thread for asyncio callers.
 
@@ -152,7 +196,7 @@ class AsyncEngine:
         events: asyncio.Queue = asyncio.Queue()
         request_id = f"srv-{next(self._ids)}"
         admitted = loop.create_future()
-        self._put(("add", request_id, prompt, token_ids, params, cache_salt, events, loop, admitted))
+        self._put(_Add(request_id, prompt, token_ids, params, cache_salt, events, loop, admitted))
         try:
             await admitted
         except asyncio.CancelledError:  # NOTE: the client left while the request was queued
@@ -164,13 +208,13 @@ class AsyncEngine:
         """Run ``fn(engine)`` on the engine thread between steps; returns its result."""
         loop = asyncio.get_running_loop()
         done = loop.create_future()
-        self._put(("call", fn, loop, done))
+        self._put(_Call(fn, loop, done))
         return await done
 
     def abort(self, request_id: str) -> None:
         """Stop a request (no-op once finished); its handle ends without an output."""
         if self._thread.is_alive():
-            self._inbox.put(("abort", request_id))
+            self._inbox.put(_Abort(request_id))
 
     async def shutdown(self) -> None:
         """Stop the engine thread (aborting what is left) and, with ``close_engine``, close the
@@ -185,11 +229,11 @@ class AsyncEngine:
                 self.engine.close()
             return True
         if self._thread.is_alive():
-            self._inbox.put(("stop",))
+            self._inbox.put(_Stop())
             self._thread.join(timeout)
         return not self._thread.is_alive()
 
-    def _put(self, item: tuple) -> None:
+    def _put(self, item: _Add | _Call) -> None:
         with self._inbox_lock:
             if self.dead_reason is not None or not self._thread.is_alive() or self._is_stopping:
                 reason = self.dead_reason or "the server is shutting down"
@@ -197,9 +241,6 @@ class AsyncEngine:
             self._inbox.put(item)
 
     # -- the engine thread ---------------------------------------------------------------------
-    # NOTE: inbox items: ("add", request_id, prompt, token_ids, params, salt, events, loop, admitted),
-    # ("abort", request_id), ("call", fn, loop, done), ("stop",); those answered through a future
-    # end with (loop, future), so a shutdown can answer them alike.
     def _run(self) -> None:
         engine = self.engine
         failures = 0
@@ -211,7 +252,7 @@ class AsyncEngine:
                         items.append(self._inbox.get_nowait())
                     except queue.Empty:
                         break
-                if any(item[0] == "stop" for item in items):
+                if any(isinstance(item, _Stop) for item in items):
                     self._is_stopping = True
                 for item in items:
                     self._handle(item)
@@ -231,29 +272,26 @@ class AsyncEngine:
         finally:
             self._finish()
 
-    def _handle(self, item: tuple) -> None:
-        kind = item[0]
-        if kind == "add":
-            _, request_id, prompt, token_ids, params, salt, events, loop, admitted = item
+    def _handle(self, item: _InboxItem) -> None:
+        if isinstance(item, _Add):
             try:
-                self.engine.add_request(prompt, params, salt, request_id=request_id,
-                                        prompt_token_ids=token_ids)
-                active = _Active(self.engine.text_stream(request_id), loop, events)
+                self.engine.add_request(item.prompt, item.params, item.cache_salt,
+                                        request_id=item.request_id, prompt_token_ids=item.token_ids)
+                active = _Active(self.engine.text_stream(item.request_id), item.loop, item.events)
             except Exception as e:
-                _push(loop, _settle, admitted, None, e)
+                item.refuse(e)
                 return
-            self._active[request_id] = active
-            _push(loop, _settle, admitted, None, None)
-        elif kind == "abort":
-            if self._active.pop(item[1], None) is not None:
+            self._active[item.request_id] = active
+            _push(item.loop, _settle, item.admitted, None, None)
+        elif isinstance(item, _Abort):
+            if self._active.pop(item.request_id, None) is not None:
                 try:
-                    self.engine.abort(item[1])
+                    self.engine.abort(item.request_id)
                 except KeyError:  # NOTE: finished in the step that raced the abort
                     pass
-        elif kind == "call":
-            _, fn, loop, done = item
+        elif isinstance(item, _Call):
             try:
-                result, error = fn(self.engine), None
+                result, error = item.fn(self.engine), None
             except Exception as e:
                 result, error = None, e
             # NOTE: engine.warm() steps the engine itself; outputs of other requests that finished
@@ -261,7 +299,7 @@ class AsyncEngine:
             # rejected argument may have lost some of them: fail those rather than let them hang.
             if error is not None and not isinstance(error, (ValueError, TypeError, CoreKVError)):
                 self._fail_all(error, dead=False)
-            _push(loop, _settle, done, result, error)
+            _push(item.loop, _settle, item.done, result, error)
 
     def _publish(self, outputs: list[RequestOutput]) -> None:
         finished = {o.request_id: o for o in outputs}
@@ -317,8 +355,8 @@ class AsyncEngine:
                     item = self._inbox.get_nowait()
                 except queue.Empty:
                     break
-                if item[0] in ("add", "call"):  # NOTE: both end with (..., loop, future)
-                    _push(item[-2], _settle, item[-1], None, stopped)
+                if isinstance(item, (_Add, _Call)):
+                    item.refuse(stopped)
         if self.close_engine:
             try:
                 self.engine.close()
