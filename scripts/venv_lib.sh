@@ -1,4 +1,4 @@
-# Shell helpers for the scripts that build vLLM venvs (scripts/vllm_venv.sh, benchmarks/lmcache_venv.sh).
+# Shell helpers for the scripts that build vLLM venvs (scripts/vllm_venv.sh, benchmarks/peers/lmcache_venv.sh).
 # Source it after setting PY (the venv's python); it sets CONSTRAINTS (a temporary file, removed at exit).
 
 # has NAME [VERSION]: NAME is installed (at VERSION, ignoring a local tag such as +cpu)

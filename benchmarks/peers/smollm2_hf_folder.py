@@ -2,7 +2,7 @@
 folder (config, float32 safetensors, tokenizer with its chat template), for peers that cannot read
 the GGUF themselves (vLLM's CPU build in ``vllm_w1_w2.py`` and ``tests/vllm``):
 
-    python benchmarks/smollm2_hf_folder.py /work/smollm2_hf
+    python benchmarks/peers/smollm2_hf_folder.py /work/smollm2_hf
 
 The folder is written beside OUT_DIR and renamed into place, so OUT_DIR is either complete or
 absent (``tests/vllm`` takes an existing ``config.json`` to mean a finished conversion).
@@ -13,8 +13,8 @@ checked equal tensor by tensor before saving.
 """
 from __future__ import annotations
 
+import argparse
 import shutil
-import sys
 import tempfile
 from pathlib import Path
 
@@ -25,9 +25,9 @@ from corekv.engine.models import _resolve_path
 
 
 def main() -> None:
-    if len(sys.argv) != 2:
-        raise SystemExit("usage: python benchmarks/smollm2_hf_folder.py OUT_DIR")
-    out = Path(sys.argv[1])
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("out_dir", type=Path, metavar="OUT_DIR", help="the folder to write (absent or empty)")
+    out = parser.parse_args().out_dir
     gguf = _resolve_path("smollm2-135m-instruct", None)
     tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
     loaded = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)

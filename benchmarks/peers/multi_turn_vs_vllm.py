@@ -2,14 +2,16 @@
 on) against corekv without tiers, with a host tier, and with host + LMDB, in one run.
 
     (source /tmp/vllm-research/env.sh; unset TMPDIR LD_PRELOAD
-     .venv/bin/python benchmarks/multi_turn_vs_vllm.py --conversations 32 --turns 4 --repeats 3 \\
+     .venv/bin/python benchmarks/peers/multi_turn_vs_vllm.py --conversations 32 --turns 4 --repeats 3 \\
          --vllm-python /tmp/vllm-research/venv/bin/python --vllm-model /tmp/vllm-research/smollm2_hf \\
          --markdown --json mtv.json --plot docs/img/multi_turn_vs_vllm.png)
 
 The driver runs in corekv's venv; vLLM runs in its own (``--vllm-python``: it pins its own torch)
 as one child process that stays up for the whole run and serves one repeat per request on its
 stdin, so its start-up (compile) is paid once and is not timed. ``LD_PRELOAD`` is set for the child
-only (tcmalloc and the venv's Intel OpenMP, as vLLM's CPU docs recommend), never for corekv.
+only (tcmalloc and the venv's Intel OpenMP, as vLLM's CPU docs recommend), never for corekv, and
+the ``OMP_WAIT_POLICY`` that ``import corekv`` sets in the driver is not passed on
+(``peers/runner.py``).
 
 Workload: ``--conversations`` chats of ``--turns`` turns share one system prompt (``--system-tokens``
 of real text: the seed documents, ``--seeds``, tokenized). Turn t's prompt is the whole
@@ -60,7 +62,11 @@ import tempfile
 import time
 from pathlib import Path
 
-import process_group
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/ (see peers/__init__.py)
+from peers import runner  # noqa: E402
+from seed_documents import add_seeds_argument, read_seeds  # noqa: E402
+from waves import on_corekv, on_vllm  # noqa: E402
+from workloads.chats import templated_chats  # noqa: E402
 
 BLOCK = 16
 VLLM_BLOCK = 32  # NOTE: vLLM 0.32's CPU attention takes multiples of 32 only (vllm_w1_w2.py)
@@ -111,7 +117,6 @@ def vllm_child(args) -> None:
     """Start one ``vllm.LLM``, then serve ``run REPEAT OUT`` lines on stdin: one cold pass over
     the workload each, its row written to OUT as JSON, then :data:`DONE` on stdout."""
     from vllm import LLM, SamplingParams
-    from waves import on_vllm  # benchmarks/ is sys.path[0]
 
     workload = json.loads(Path(args.workload).read_text())
     turns, max_tokens = workload["turns"], workload["max_tokens"]
@@ -160,14 +165,11 @@ class VllmPeer:
     """The vLLM child seen from the driver: started once, one :meth:`run` per repeat."""
 
     def __init__(self, args, workload_path: Path, workdir: Path):
-        env = dict(os.environ, VLLM_CPU_OMP_THREADS_BIND=args.vllm_cpus,
-                   VLLM_CPU_KVCACHE_SPACE=os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"))
-        prefix = Path(args.vllm_python).absolute().parent.parent  # NOTE: not resolve(): the venv, not its base Python
-        found = [Path("/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4"), prefix / "lib" / "libiomp5.so"]
-        env["LD_PRELOAD"] = ":".join(str(p) for p in found if p.exists())
+        env = runner.peer_env(args.vllm_python, VLLM_CPU_OMP_THREADS_BIND=args.vllm_cpus,
+                              VLLM_CPU_KVCACHE_SPACE=os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"))
         self.ld_preload = env["LD_PRELOAD"]
         self.workdir = workdir
-        self.proc = process_group.start(
+        self.proc = runner.start(
             [args.vllm_python, __file__, "--vllm-child", "--workload", str(workload_path),
              "--vllm-model", args.vllm_model], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
         self._wait()
@@ -201,7 +203,7 @@ class VllmPeer:
                 self.proc.wait(timeout=60)
             except subprocess.TimeoutExpired:
                 pass
-        process_group.kill(self.proc)
+        runner.stop(self.proc)
 
     def _wait(self) -> None:
         for line in self.proc.stdout:
@@ -218,8 +220,7 @@ def corekv_run(model, name: str, turns, num_blocks: int, working_set_bytes: int,
     from corekv.config import CacheConfig, Config, EngineConfig
     from corekv.engine.llm_engine import Engine
     from corekv.engine.sampling import SamplingParams
-    from waves import on_corekv  # benchmarks/ is sys.path[0]
-    from memory_pressure import tier_configs
+    from memory_pressure import tier_configs  # NOTE: corekv and torch in the driver only, not in vLLM's child
 
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
     workdir = tempfile.mkdtemp(prefix="corekv-mtv-")
@@ -395,8 +396,6 @@ def main() -> None:
     parser.add_argument("--render", help="print the tables (and --plot) of a --json file and exit")
     parser.add_argument("--vllm-child", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--workload", help=argparse.SUPPRESS)
-    from seed_documents import add_seeds_argument, read_seeds  # benchmarks/ is sys.path[0]
-
     add_seeds_argument(parser)
     args = parser.parse_args()
     if args.vllm_child:
@@ -425,7 +424,6 @@ def main() -> None:
     import torch
 
     from corekv.engine.models import load_model
-    from workloads.chats import templated_chats
 
     torch.set_num_threads(args.threads)
     model = load_model("smollm2-135m-instruct", dtype="float32", device="cpu")

