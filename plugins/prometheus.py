@@ -184,9 +184,13 @@ class _SpeculativeCollector:
 class _ReloadCollector:
     """Reload or recompute (``engine.stats()["reload"]``), read at each scrape:
     ``corekv_reload_skipped_blocks_total`` (tier hits recomputed because that was cheaper),
+    ``corekv_reload_skipped_blocks_by_tier_total{tier}`` and
+    ``corekv_reload_skipped_blocks_by_reason_total{reason}`` (the same blocks by the tier that held
+    them, and by why: ``slower_than_recompute`` or ``after_a_skipped_run``),
     ``corekv_reload_probes_total`` (skipped tiers loaded again to re-measure them), and the gauges
-    ``corekv_reload_load_seconds_per_block{tier}`` and ``corekv_reload_prefill_seconds_per_token``
-    once measured. Counters are 0 without tiers."""
+    ``corekv_reload_load_seconds_per_block{tier}``, ``corekv_reload_load_latency_seconds{tier}``
+    (per call, measured when the tier opened) and ``corekv_reload_prefill_seconds_per_token`` once
+    measured. Counters are 0 without tiers."""
 
     def __init__(self, engine_ref: Any):
         self._engine = engine_ref
@@ -198,6 +202,17 @@ class _ReloadCollector:
         stats = offload.cost.stats() if offload is not None else {}
         yield CounterMetricFamily("corekv_reload_skipped_blocks", "Tier hits recomputed because that was cheaper",
                                   value=stats.get("skipped_blocks", 0))
+        by_reason = CounterMetricFamily("corekv_reload_skipped_blocks_by_reason",
+                                        "Tier hits recomputed, by why the cost model skipped them",
+                                        labels=["reason"])
+        for reason, num in stats.get("skipped_by_reason", {}).items():
+            by_reason.add_metric([reason], num)
+        yield by_reason
+        by_tier = CounterMetricFamily("corekv_reload_skipped_blocks_by_tier",
+                                      "Tier hits recomputed, by the tier that held them", labels=["tier"])
+        for tier, num in stats.get("skipped_blocks_by_tier", {}).items():
+            by_tier.add_metric([tier], num)
+        yield by_tier
         yield CounterMetricFamily("corekv_reload_probes", "Skipped tiers loaded again to re-measure them",
                                   value=stats.get("probes", 0))
         per_block = GaugeMetricFamily("corekv_reload_load_seconds_per_block",
@@ -206,6 +221,11 @@ class _ReloadCollector:
             if seconds is not None:
                 per_block.add_metric([tier], seconds)
         yield per_block
+        latency = GaugeMetricFamily("corekv_reload_load_latency_seconds",
+                                    "Seconds per call to a tier, measured when it opened", labels=["tier"])
+        for tier in stats.get("seeded", []):
+            latency.add_metric([tier], stats["load_latency_s"][tier])
+        yield latency
         if stats.get("prefill_s_per_token") is not None:
             yield GaugeMetricFamily("corekv_reload_prefill_seconds_per_token",
                                     "Measured prefill seconds per token", value=stats["prefill_s_per_token"])

@@ -128,3 +128,41 @@ def test_the_default_loads_every_hit_without_a_cap():
 
     cache = corekv.load_config({}).cache
     assert (cache.reload_policy, cache.max_load_tokens) == ("always", None)
+
+
+# -- the seed (a tier measured when it opens) and why blocks were skipped --------------------------
+def seeded(*, latency_s: float, s_per_block: float) -> ReloadCost:
+    """host unseeded, remote seeded; prefill measured at PREFILL_S_PER_TOKEN (16 ms a block)."""
+    cost = ReloadCost(["host", "remote"], BLOCK, policy="cost", min_samples=4)
+    for _ in range(4):
+        cost.observe_step(64, 64 * PREFILL_S_PER_TOKEN)
+    cost.seed(1, latency_s=latency_s, s_per_block=s_per_block)
+    return cost
+
+
+def test_a_seed_decides_at_once_and_its_latency_is_paid_once_per_run():
+    cost = seeded(latency_s=0.100, s_per_block=0.001)  # 100 ms a call, then 1 ms a block
+    assert cost.num_blocks_to_load([TierRun(1, 6)]) == 0    # 6 x 15 ms saved < 100 ms
+    assert cost.num_blocks_to_load([TierRun(1, 7)]) == 7    # 7 x 15 ms saved > 100 ms
+    stats = cost.stats()
+    assert stats["seeded"] == ["remote"] and stats["load_latency_s"] == {"host": 0.0, "remote": 0.1}
+    assert stats["load_s_per_block"] == {"host": None, "remote": pytest.approx(0.001)}
+
+
+def test_real_loads_take_over_from_the_seed_less_its_latency():
+    cost = seeded(latency_s=0.010, s_per_block=0.0)
+    for _ in range(30):  # the tier turns out slower: 10 ms a call, then 30 ms a block
+        cost.observe_load(1, 4, 0.010 + 4 * 0.030)
+    assert cost.stats()["load_s_per_block"]["remote"] == pytest.approx(0.030, rel=0.01)
+    assert cost.num_blocks_to_load([TierRun(1, 50)]) == 0
+
+
+def test_skipped_blocks_are_counted_by_tier_and_by_reason():
+    cost = seeded(latency_s=0.0, s_per_block=0.050)
+    for _ in range(4):
+        cost.observe_load(0, 1, 1e-4)
+    assert cost.num_blocks_to_load([TierRun(0, 2), TierRun(1, 3), TierRun(0, 1)]) == 2
+    stats = cost.stats()
+    assert stats["skipped_blocks"] == 4
+    assert stats["skipped_blocks_by_tier"] == {"host": 1, "remote": 3}
+    assert stats["skipped_by_reason"] == {"slower_than_recompute": 3, "after_a_skipped_run": 1}

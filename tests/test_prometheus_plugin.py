@@ -131,8 +131,16 @@ def test_reload_decisions_follow_the_engine_stats(tiny, tmp_path):
             cost.observe_step(64, 0.064)
         assert cost.num_blocks_to_load([TierRun(0, 3)]) == 0
         got = samples(exporter)
+        stats = engine.stats()["reload"]
     assert got[("corekv_reload_skipped_blocks_total", ())] == 3
-    assert got[("corekv_reload_load_seconds_per_block", (("tier", "host"),))] == pytest.approx(1.0)
+    assert got[("corekv_reload_skipped_blocks_by_tier_total", (("tier", "host"),))] == 3
+    assert got[("corekv_reload_skipped_blocks_by_reason_total", (("reason", "slower_than_recompute"),))] == 3
+    # the host tier was measured when it opened (the seed), then the injected loads moved it
+    assert stats["seeded"] == ["host"]
+    assert got[("corekv_reload_load_latency_seconds", (("tier", "host"),))] == stats["load_latency_s"]["host"]
+    assert got[("corekv_reload_load_seconds_per_block", (("tier", "host"),))] == pytest.approx(
+        stats["load_s_per_block"]["host"])
+    assert stats["load_s_per_block"]["host"] > 0.5
     assert got[("corekv_reload_prefill_seconds_per_token", ())] == pytest.approx(1e-3)
     with make_engine(tiny) as engine:  # no tiers
         assert samples(exporter_for(engine))[("corekv_reload_skipped_blocks_total", ())] == 0

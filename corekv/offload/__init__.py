@@ -19,19 +19,23 @@ Where an evicted block goes, and how it comes back — the life of one block:
    fails its checks is a miss, deleted, and that block and the rest are recomputed. The engine
    then caches the reloaded blocks like computed ones, so step 1 applies again. How many of the
    hits are worth loading rather than recomputing (and ``cache.max_load_tokens``) is the reload
-   cost model's call (:mod:`~corekv.offload.cost`), from the tier reads and steps it timed.
+   cost model's call (:mod:`~corekv.offload.cost`), from the tier reads and steps it timed,
+   seeded under ``reload_policy: cost`` by a few reads of a probe entry when each tier opens
+   (:mod:`~corekv.offload.measure`, :meth:`Offload.measure_tiers`).
 
 Swap preemption parks a preempted sequence's blocks in the host tier (:mod:`~corekv.offload.swap`,
 :meth:`Offload.park` / :meth:`Offload.unpark`); :func:`make_offload` builds it all from
-``cache.tiers`` (:mod:`~corekv.offload.build`). The engine's ``BlockManager`` and the vLLM
-connector call the facade only.
+``cache.tiers`` (:mod:`~corekv.offload.build`), or, without tiers, a :class:`NullOffload` whose
+verbs do nothing (so callers never ask whether there are tiers). The engine's ``BlockManager``
+and the vLLM connector call the facade only.
 """
 from __future__ import annotations
 
 from corekv.offload.build import fingerprint_bytes, make_offload, make_tiers
 from corekv.offload.facade import Offload
+from corekv.offload.null import NullOffload
 from corekv.offload.prefetch import TierRun
 from corekv.offload.reload import lookup_runs
 from corekv.offload.swap import Parked
 
-__all__ = ["Offload", "Parked", "TierRun", "fingerprint_bytes", "lookup_runs", "make_offload", "make_tiers"]
+__all__ = ["NullOffload", "Offload", "Parked", "TierRun", "fingerprint_bytes", "lookup_runs", "make_offload", "make_tiers"]

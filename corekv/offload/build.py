@@ -101,4 +101,6 @@ def make_offload(cache: CacheConfig, plugin_manager, *, fingerprint: str, dtype:
     except ValueError as e:
         raise ConfigError(f"cache.tiers needs a backend that reports evicted blocks' hashes: {e} "
                           "(for radix: set cache.backend_options.track_hashes: true)") from e
+    if cache.reload_policy == "cost":
+        offload.measure_tiers()  # NOTE: the cost model's seed; bounded, and it never fails a start
     return offload, not_started

@@ -21,6 +21,17 @@ estimate follows a tier that recovered. ``max_load_tokens`` caps the blocks load
 whatever the policy (vLLM's knob of that name). A run with a negative tier index is blocks
 already in this machine's memory (the vLLM connector's writes in flight): loaded, never measured.
 
+**Seeded when a tier opens**: :mod:`.measure` times a few reads of a probe entry and gives
+:meth:`ReloadCost.seed` the tier's latency (one round trip) and its seconds per block beyond it;
+the seed counts as ``min_samples`` samples, so the first requests decide on it, and real loads
+take over as they come (each sample is a load's time less the latency, over its blocks). A run of
+``n`` blocks from a seeded tier costs ``latency + n * seconds per block``; an unseeded tier's
+latency is 0 (its per-block mean then carries it).
+
+**Why blocks were skipped** is counted per tier (``skipped_blocks_by_tier``) and per reason
+(``skipped_by_reason``): ``slower_than_recompute`` (the run's own load costs more than computing
+its tokens) or ``after_a_skipped_run`` (a run behind one that was cut: runs are cut, never holed).
+
 The vLLM connector's scheduler side uses the same object, fed with the timings its worker
 reports (the worker's tier reads, and the forward time of its steps over their tokens).
 """
@@ -32,10 +43,12 @@ from collections.abc import Sequence
 
 from corekv.offload.prefetch import TierRun
 
-__all__ = ["POLICIES", "ReloadCost"]
+__all__ = ["POLICIES", "SKIP_REASONS", "ReloadCost"]
 
 #: ``always``: load every tier hit (up to ``max_load_tokens``); ``cost``: only where it beats recompute
 POLICIES = ("always", "cost")
+#: why ``cost`` recomputed blocks a tier holds (the module docstring says what each means)
+SKIP_REASONS = ("slower_than_recompute", "after_a_skipped_run")
 
 
 class _Mean:
@@ -77,18 +90,33 @@ class ReloadCost:
         self.max_load_blocks = None if max_load_tokens is None else max_load_tokens // block_size
         self.min_samples, self.probe_every, self.weight = min_samples, probe_every, weight
         self._loads = [_Mean() for _ in self.tier_names]
+        self._latency_s = [0.0] * len(self.tier_names)  # per call, from the measurement at open
+        self._is_seeded = [False] * len(self.tier_names)
         self._prefill = _Mean()
         self._num_skips = [0] * len(self.tier_names)  # decisions that skipped the tier since it last loaded
         #: skipped_blocks (held by a tier, recomputed: cheaper), probes (skipped tiers loaded again)
         self.counters: Counter = Counter()
+        self._skipped_by_tier: Counter = Counter()
+        self._skipped_by_reason: Counter = Counter()
         self._lock = threading.Lock()
 
     # -- measurements ------------------------------------------------------------------------
+    def seed(self, tier_index: int, *, latency_s: float, s_per_block: float) -> None:
+        """Tier ``tier_index`` answered a call in ``latency_s`` and reads a block in
+        ``s_per_block`` more (:mod:`.measure`, when it opened): its estimate until real loads
+        outweigh it (it counts as ``min_samples`` samples)."""
+        with self._lock:
+            self._latency_s[tier_index] = max(0.0, latency_s)
+            mean = self._loads[tier_index]
+            mean.value, mean.num_samples = max(0.0, s_per_block), self.min_samples
+            self._is_seeded[tier_index] = True
+
     def observe_load(self, tier_index: int, num_blocks: int, seconds: float) -> None:
         """Reading ``num_blocks`` blocks from tier ``tier_index`` took ``seconds`` (hits or not)."""
         if num_blocks > 0:
             with self._lock:
-                self._loads[tier_index].add(seconds / num_blocks, self.weight)
+                per_block = max(0.0, seconds - self._latency_s[tier_index]) / num_blocks
+                self._loads[tier_index].add(per_block, self.weight)
 
     def observe_step(self, num_tokens: int, seconds: float) -> None:
         """An engine step computed ``num_tokens`` tokens in ``seconds`` (short steps are ignored:
@@ -120,6 +148,10 @@ class ReloadCost:
             out["policy"] = self.policy
             out["prefill_s_per_token"] = self._estimate(self._prefill)
             out["load_s_per_block"] = {name: self._estimate(m) for name, m in zip(self.tier_names, self._loads)}
+            out["load_latency_s"] = dict(zip(self.tier_names, self._latency_s))
+            out["seeded"] = [name for name, is_seeded in zip(self.tier_names, self._is_seeded) if is_seeded]
+            out["skipped_blocks_by_tier"] = {name: self._skipped_by_tier[name] for name in self.tier_names}
+            out["skipped_by_reason"] = {reason: self._skipped_by_reason[reason] for reason in SKIP_REASONS}
         return out
 
     # -- helpers -----------------------------------------------------------------------------
@@ -136,23 +168,32 @@ class ReloadCost:
         best = pos = 0
         best_saving = saving = 0.0
         probes = set()
+        run_savings = []
         for run in runs:
             in_memory = run.tier_index < 0
             load_s = 0.0 if in_memory else self._estimate(self._loads[run.tier_index])
             if count and not in_memory and load_s is not None and self._num_skips[run.tier_index] >= self.probe_every:
                 probes.add(run.tier_index)
                 load_s = None  # NOTE: this load measures the tier again, in case it got faster
-            saving += run.num_blocks * (recompute_s - (load_s or 0.0))
+            latency_s = 0.0 if in_memory or load_s is None else self._latency_s[run.tier_index]
+            run_saving = run.num_blocks * (recompute_s - (load_s or 0.0)) - latency_s
+            run_savings.append(run_saving)
+            saving += run_saving
             pos += run.num_blocks
             if saving >= best_saving:  # ties load: the prior
                 best, best_saving = pos, saving
         if count:
-            pos = 0
-            for run in runs:
+            pos, is_after_a_skip = 0, False
+            for run, run_saving in zip(runs, run_savings):
                 is_loaded = pos < best
                 pos += run.num_blocks
                 if run.tier_index < 0:
                     continue
+                if not is_loaded:
+                    self._skipped_by_tier[self.tier_names[run.tier_index]] += run.num_blocks
+                    reason = "after_a_skipped_run" if is_after_a_skip or run_saving >= 0 else "slower_than_recompute"
+                    self._skipped_by_reason[reason] += run.num_blocks
+                    is_after_a_skip = True
                 self._num_skips[run.tier_index] = 0 if is_loaded else self._num_skips[run.tier_index] + 1
                 if is_loaded and run.tier_index in probes:
                     self.counters["probes"] += 1

@@ -28,6 +28,7 @@ import torch
 from corekv.backend import EvictedBlock
 from corekv.hashing import BlockHash, PrefixKey
 from corekv.offload.cost import ReloadCost
+from corekv.offload.measure import TierMeasurement, measure_tier
 from corekv.offload.planner import OffloadPlanner
 from corekv.offload.pool_io import snapshot_blocks, write_rows
 from corekv.offload.prefetch import Prefetch, Prefetcher
@@ -284,6 +285,18 @@ class Offload:
     def num_queued_blocks(self) -> int:
         """Blocks waiting for the background tier writer (0 once :meth:`flush` returns)."""
         return self._writer.num_queued_blocks if self._writer is not None else 0
+
+    def measure_tiers(self) -> dict[str, TierMeasurement | None]:
+        """Seed the cost model (:attr:`cost`) with each tier's latency and read time, measured
+        now by a few calls on a probe entry (:mod:`.measure`: within about one of the tier's
+        deadlines, never raising); ``make_offload`` calls it when a tier opens under
+        ``reload_policy: cost``. Returns what each tier measured (``None``: it did not answer)."""
+        found = {}
+        for index, tier in enumerate(self.tiers):
+            found[tier.name] = measured = measure_tier(tier)
+            if measured is not None:
+                self.cost.seed(index, latency_s=measured.latency_s, s_per_block=measured.s_per_block)
+        return found
 
     def prefetch_stats(self) -> dict[str, float]:
         """Prefetch counters (see :class:`corekv.offload.prefetch.Prefetcher`); empty without prefetch."""
