@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections import Counter
 
 from corekv.backend import PrefixCacheBackend, admit
-from corekv.offload import Offload
+from corekv.offload import NullOffload, Offload
 from corekv.engine.sequence import Sequence
 
 __all__ = ["BlockManager"]
@@ -42,13 +42,13 @@ class BlockManager:
     """
 
     def __init__(self, backend: PrefixCacheBackend, kv_pool, *, enable_prefix_caching: bool = True,
-                 offload: Offload | None = None):
+                 offload: Offload | NullOffload | None = None):
         self.backend = backend
         self.kv_pool = kv_pool
         self.block_size = backend.block_size
         self.enable_prefix_caching = enable_prefix_caching
-        #: the offload facade over the storage tiers, or None (device pool only)
-        self.offload = offload
+        #: the offload facade over the storage tiers; without tiers one that does nothing
+        self.offload = NullOffload() if offload is None else offload
         self.shared_refs: Counter[int] = Counter()
         self.num_cow_copies = 0
         self.num_swapped_out_blocks = 0
@@ -63,7 +63,7 @@ class BlockManager:
 
     def prefetch(self, seq: Sequence) -> None:
         """``seq`` arrived: the tiers' hits beyond its device match start loading into staging."""
-        if self.offload is not None and self.enable_prefix_caching and seq.swap is None:
+        if self.enable_prefix_caching and seq.swap is None:
             self.offload.arrived(seq, seq.key, len(self.match(seq)), self._max_reused_blocks(seq))
 
     def allocate(self, seq: Sequence) -> bool:
@@ -85,7 +85,7 @@ class BlockManager:
         seq.num_computed_tokens = len(hit) * self.block_size
         seq.num_cached_blocks = len(hit)
         by_tier = {"device": len(hit) * self.block_size}
-        if self.offload is not None and (self.enable_prefix_caching or seq.swap is not None):
+        if self.enable_prefix_caching or seq.swap is not None:
             for name, num in self._reload(seq, hit, fresh).items():
                 by_tier[name] = by_tier.get(name, 0) + num * self.block_size
         if seq.num_cached_tokens is None:  # first admission: what the output reports
@@ -115,7 +115,7 @@ class BlockManager:
 
     def swap_out(self, seq: Sequence) -> None:
         """Before a preempted ``seq`` frees its blocks: park their KV in the swap tier."""
-        if self.offload is None or not self.offload.can_swap or not seq.block_table:
+        if not self.offload.can_swap or not seq.block_table:
             return
         seq.swap = self.offload.park(f"{seq.request_id}|{seq.index}|{id(seq)}", seq.key,
                                      seq.block_table, seq.num_computed_tokens)
@@ -125,8 +125,7 @@ class BlockManager:
         """``seq`` finished while waiting (aborted): drop what it holds outside the pool, its
         prefetch and, if it was swapped out, its parked partial block."""
         parked, seq.swap = seq.swap, None
-        if self.offload is not None:
-            self.offload.left(seq, parked)
+        self.offload.left(seq, parked)
 
     # -- decoding ----------------------------------------------------------------------------
     def append_slot(self, seq: Sequence) -> bool:
@@ -182,9 +181,8 @@ class BlockManager:
         num_full = seq.num_computed_tokens // self.block_size
         if self.enable_prefix_caching and num_full > seq.num_cached_blocks:
             self.backend.cache(seq.key, seq.block_table[:num_full])
-            if self.offload is not None:
-                self.offload.cached(seq.key, seq.block_table[:num_full], seq.num_cached_blocks,
-                                    offload=seq.offload)
+            self.offload.cached(seq.key, seq.block_table[:num_full], seq.num_cached_blocks,
+                                offload=seq.offload)
             seq.num_cached_blocks = num_full
 
     # -- sharing and release -----------------------------------------------------------------

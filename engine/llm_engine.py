@@ -177,8 +177,7 @@ class Engine:
             self.abort(request_id)
         self._is_closed = True
         try:
-            if self.offload is not None:
-                self.offload.close()
+            self.offload.close()
         finally:
             # NOTE: plugins release their sockets and servers even when the tiers failed to close
             self.plugin_manager.hook.corekv_on_engine_closed(engine=self)
@@ -212,8 +211,7 @@ class Engine:
             num_tokens = sum(i.num_tokens + len(i.draft_token_ids) for i in batch)
             if self.speculative is not None:
                 self.speculative.observe_step(num_tokens, seconds)
-            if self.offload is not None:
-                self.offload.cost.observe_step(num_tokens, seconds)  # recompute's price, for reloads
+            self.offload.cost.observe_step(num_tokens, seconds)  # recompute's price, for reloads
         finished = self.scheduler.postprocess(seqs, token_ids)
         self.num_steps += bool(batch)
         return self._after_step(finished)
@@ -392,10 +390,10 @@ class Engine:
             "num_swapped_out_blocks": self.blocks.num_swapped_out_blocks,
             "num_swapped_in_blocks": self.blocks.num_swapped_in_blocks,
             "backend": backend.stats(),
-            "tiers": self.offload.stats() if self.offload is not None else {},
+            "tiers": self.offload.stats(),
             "tiers_not_started": dict(self.tiers_not_started),
-            "prefetch": self.offload.prefetch_stats() if self.offload is not None else {},
-            "reload": self.offload.cost.stats() if self.offload is not None else {},
+            "prefetch": self.offload.prefetch_stats(),
+            "reload": self.offload.cost.stats(),
             "speculative": self.speculative.stats() if self.speculative is not None else dict(SPECULATIVE_OFF),
         }
 

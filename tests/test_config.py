@@ -564,7 +564,7 @@ engine_fields = st.fixed_dictionaries({}, optional={
 
 @given(engine=engine_fields, fraction=st.floats(0, 1), device=st.sampled_from(["auto", "cpu", "cuda", "cuda:3"]))
 def test_valid_configs_round_trip_through_dump(pm, engine, fraction, device):
-    # NOTE: preemption: swap is valid only with a host tier (test_swap_preemption_needs_a_host_tier),
+    # NOTE: preemption: swap is valid only with a host tier (test_swap_preemption_needs_a_tier_that_supports_swap),
     # prefill_first only with swap (test_prefill_first_needs_swap_preemption)
     if engine.get("prefill_first"):
         engine["preemption"] = "swap"

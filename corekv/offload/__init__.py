@@ -25,15 +25,17 @@ Where an evicted block goes, and how it comes back — the life of one block:
 
 Swap preemption parks a preempted sequence's blocks in the host tier (:mod:`~corekv.offload.swap`,
 :meth:`Offload.park` / :meth:`Offload.unpark`); :func:`make_offload` builds it all from
-``cache.tiers`` (:mod:`~corekv.offload.build`). The engine's ``BlockManager`` and the vLLM
-connector call the facade only.
+``cache.tiers`` (:mod:`~corekv.offload.build`), or, without tiers, a :class:`NullOffload` whose
+verbs do nothing (so callers never ask whether there are tiers). The engine's ``BlockManager``
+and the vLLM connector call the facade only.
 """
 from __future__ import annotations
 
 from corekv.offload.build import fingerprint_bytes, make_offload, make_tiers
 from corekv.offload.facade import Offload
+from corekv.offload.null import NullOffload
 from corekv.offload.prefetch import TierRun
 from corekv.offload.reload import lookup_runs
 from corekv.offload.swap import Parked
 
-__all__ = ["Offload", "Parked", "TierRun", "fingerprint_bytes", "lookup_runs", "make_offload", "make_tiers"]
+__all__ = ["NullOffload", "Offload", "Parked", "TierRun", "fingerprint_bytes", "lookup_runs", "make_offload", "make_tiers"]

@@ -12,6 +12,7 @@ from corekv.config import CacheConfig
 from corekv.errors import ConfigError, PluginError
 from corekv.offload.cost import ReloadCost
 from corekv.offload.facade import Offload
+from corekv.offload.null import NullOffload
 from corekv.tier import Tier
 from corekv.tier_factory import make_tier
 
@@ -68,9 +69,10 @@ def make_tiers(cache: CacheConfig, plugin_manager, *, fingerprint: str, dtype: s
 
 
 def make_offload(cache: CacheConfig, plugin_manager, *, fingerprint: str, dtype: str, kv_pool, backend,
-                 swap: bool = False) -> tuple[Offload | None, dict[str, str]]:
+                 swap: bool = False) -> tuple[Offload | NullOffload, dict[str, str]]:
     """The tiers of ``cache.tiers`` (:func:`make_tiers`), in order, under one :class:`Offload`
-    wired to ``backend``'s evictions (``None`` when no tier is configured or none started), and
+    wired to ``backend``'s evictions (a :class:`NullOffload`, whose verbs do
+    nothing, when no tier is configured or none started), and
     ``{tier name: why it did not start}``. With ``swap``, preempted sequences are parked in the
     first started tier that ``supports_swap``.
 
@@ -78,7 +80,7 @@ def make_offload(cache: CacheConfig, plugin_manager, *, fingerprint: str, dtype:
         backend that cannot report evicted blocks' hashes (radix with ``track_hashes: false``).
     """
     if not cache.tiers:
-        return None, {}
+        return NullOffload(), {}
     tiers, not_started = make_tiers(cache, plugin_manager, fingerprint=fingerprint, dtype=dtype,
                                     block_bytes=kv_pool.bytes_per_block, shape=kv_pool.block_shape)
     swap_tier = None
@@ -91,7 +93,7 @@ def make_offload(cache: CacheConfig, plugin_manager, *, fingerprint: str, dtype:
                               f"(supports_swap: host, shm), and none started ({not_started}); fix "
                               "the tier or use preemption: recompute", path="engine.preemption")
     if not tiers:
-        return None, not_started
+        return NullOffload(), not_started
     try:
         offload = Offload(tiers, kv_pool, write_policy=cache.write_policy, offload_min_hits=cache.offload_min_hits,
                           queue_blocks=cache.offload_queue_blocks, hooks=plugin_manager.hook,

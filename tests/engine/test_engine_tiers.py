@@ -8,6 +8,7 @@ import torch
 
 from corekv.engine.tiny_model import make_tiny_llama
 from corekv.errors import ConfigError
+from corekv.offload import NullOffload
 from tier_helpers import (BLOCK, GREEDY, KINDS, PROMPT, LogitsProbe, evict, make_config, make_engine,
                           tier_config)
 from corekv.engine.llm_engine import Engine
@@ -106,9 +107,21 @@ def test_offload_min_hits_keeps_unreused_blocks_off_the_tiers(tiny_llama, tmp_pa
         assert host.exists(filler_key.block_hashes[:1]) == 0
 
 
+def test_without_tiers_the_engine_runs_on_a_null_offload(tiny_llama):
+    """No tiers: the block manager calls a NullOffload's verbs like a real facade's (no branches),
+    and the engine reports what it always did without tiers."""
+    with make_engine(tiny_llama, preemption="swap") as engine:
+        assert isinstance(engine.offload, NullOffload) and engine.blocks.offload is engine.offload
+        first, second = engine.generate([PROMPT, PROMPT], GREEDY)
+        stats = engine.stats()
+    assert second.num_cached_tokens > 0 and second.cached_tokens_by_tier == {"device": second.num_cached_tokens}
+    assert (stats["tiers"], stats["prefetch"], stats["reload"]) == ({}, {}, {})
+    assert stats["num_swapped_out_blocks"] == 0
+
+
 def test_config_errors_name_the_fix(tiny_llama, tmp_path):
     lmdb = tier_config("lmdb", tmp_path)
-    with pytest.raises(ConfigError, match="engine.preemption.*swap.*host tier"):
+    with pytest.raises(ConfigError, match=r"engine.preemption.*swap.*a tier that can hold swapped blocks \(types: host, shm\)"):
         Engine.from_config({"model": "tiny", "engine": {"num_blocks": 12, "preemption": "swap"},
                             "cache": {"tiers": [{"type": "lmdb", **lmdb.options}]}}, model=tiny_llama)
     with pytest.raises(ConfigError, match="track_hashes"):
