@@ -137,12 +137,15 @@ class PrefixKey:
     reads them never pays for them) and incrementally as ``token_ids`` grows. ``cache_salt`` is
     the tenant salt ``namespace`` was made from (``None``: no salt), carried so that block events
     can say which tenant a chain belongs to; nothing indexes by it (the namespace already does).
+    ``priority`` is the request's eviction priority (higher is kept longer under the ``priority``
+    eviction policy, :mod:`corekv.eviction`); it is no part of the key's identity.
     """
 
-    __slots__ = ("token_ids", "block_size", "namespace", "algorithm", "cache_salt", "_hashes")
+    __slots__ = ("token_ids", "block_size", "namespace", "algorithm", "cache_salt", "priority",
+                 "_hashes")
 
     def __init__(self, token_ids: Sequence[int], block_size: int, namespace: BlockHash,
-                 algorithm: str = "xxh3_128", *, cache_salt: str | None = None):
+                 algorithm: str = "xxh3_128", *, cache_salt: str | None = None, priority: int = 0):
         if block_size.__class__ is not int or block_size < 1:
             raise ValueError(f"block_size must be an int >= 1, got {block_size!r}")
         if namespace.__class__ is not bytes:
@@ -154,7 +157,10 @@ class PrefixKey:
         self.block_size = block_size
         self.namespace = namespace
         self.algorithm = algorithm
+        if priority.__class__ is not int:
+            raise TypeError(f"priority must be an int, got {type(priority).__name__}")
         self.cache_salt = cache_salt or None
+        self.priority = priority
         self._hashes: list[BlockHash] = []
 
     def __repr__(self) -> str:

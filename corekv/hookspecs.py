@@ -16,7 +16,7 @@ import pluggy
 
 if TYPE_CHECKING:
     from corekv.backend import BlockEvent
-    from corekv.specs import BackendSpec, ConfigSectionSpec, TierSpec
+    from corekv.specs import BackendSpec, ConfigSectionSpec, EvictionPolicySpec, TierSpec
 
 hookspec = pluggy.HookspecMarker("corekv")
 
@@ -46,6 +46,22 @@ def corekv_register_tiers() -> list[TierSpec]:
         ``corekv store stats|ls|verify|clear`` lists, checks and deletes its entries.
 
     .. versionadded:: 0.1
+    """
+
+
+@hookspec
+def corekv_register_eviction_policies() -> list[EvictionPolicySpec]:
+    """Register eviction policies: which cached entry a backend or a tier evicts first.
+
+    A backend or tier that lets the config choose declares an option of kind ``eviction``
+    (``Option("eviction", default="lru")``); ``load_config`` checks the name against the
+    policies registered here, and the factory receives a fresh policy. corekv's ``lru``, ``lfu``
+    and ``priority`` are registered through this hook too (:mod:`corekv.plugins.eviction`).
+
+    :returns: a list of :class:`corekv.plugin.EvictionPolicySpec`, each naming a policy and its
+        factory (no arguments; returns a :class:`corekv.eviction.EvictionPolicy`).
+
+    .. versionadded:: 0.2
     """
 
 

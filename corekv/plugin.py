@@ -23,7 +23,7 @@ import pluggy
 
 from corekv import hookspecs
 from corekv.errors import PluginError
-from corekv.specs import OPTION_KINDS, BackendSpec, ConfigSectionSpec, Option, TierSpec
+from corekv.specs import OPTION_KINDS, BackendSpec, ConfigSectionSpec, EvictionPolicySpec, Option, TierSpec
 
 ENTRY_POINT_GROUP = "corekv"
 AUTOLOAD_ENV = "COREKV_DISABLE_PLUGIN_AUTOLOAD"
@@ -33,7 +33,8 @@ hookimpl = pluggy.HookimplMarker("corekv")
 
 #: re-exported: plugins import the spec types from here (``from corekv.plugin import Option, TierSpec``)
 __all__ = [
-    "AUTOLOAD_ENV", "BackendSpec", "ConfigSectionSpec", "ENTRY_POINT_GROUP", "OPTION_KINDS", "Option",
+    "AUTOLOAD_ENV", "BackendSpec", "ConfigSectionSpec", "ENTRY_POINT_GROUP", "EvictionPolicySpec",
+    "OPTION_KINDS", "Option",
     "PluginManager", "TierSpec", "available_plugins", "hook_signature", "hook_signatures", "hookimpl",
     "make_plugin_manager", "option_info",
 ]
@@ -85,6 +86,10 @@ class PluginManager:
     def tiers(self) -> dict[str, TierSpec]:
         return self._collect(self.hook.corekv_register_tiers, "tier")
 
+    def eviction_policies(self) -> dict[str, EvictionPolicySpec]:
+        """``{policy name: spec}`` of the eviction policies plugins register."""
+        return self._collect(self.hook.corekv_register_eviction_policies, "eviction policy")
+
     def config_sections(self) -> dict[str, ConfigSectionSpec]:
         """``{section name: spec}`` of the top-level config sections plugins declare."""
         return self._collect(self.hook.corekv_register_config_sections, "config section")
@@ -123,7 +128,8 @@ class PluginManager:
         return specs
 
 
-_SPEC_TYPES = {"backend": BackendSpec, "tier": TierSpec, "config section": ConfigSectionSpec}
+_SPEC_TYPES = {"backend": BackendSpec, "tier": TierSpec, "config section": ConfigSectionSpec,
+               "eviction policy": EvictionPolicySpec}
 #: a section name is also the COREKV_<SECTION>__<KEY> variable's first part (read lowercased)
 _SECTION_NAME = re.compile(r"[a-z][a-z0-9]*(_[a-z0-9]+)*")
 
@@ -265,7 +271,7 @@ def _distribution_of(module_name: str) -> str:
 
 def available_plugins(plugins: Iterable[str | object] = ()) -> dict[str, dict[str, dict[str, str]]]:
     """``{"backends": {name: info}, "tiers": {name: info}, "config_sections": {name: info},
-    "plugins": {name: info}}``.
+    "eviction_policies": {name: info}, "plugins": {name: info}}``.
 
     ``info`` has ``description``, ``plugin`` (the plugin that registered it), ``distribution``
     and ``options`` (``{name: {"kind", "required", "default", "choices", "minimum", "help"}}``).
@@ -278,6 +284,7 @@ def available_plugins(plugins: Iterable[str | object] = ()) -> dict[str, dict[st
         "backends": {n: describe(s) for n, s in sorted(manager.backends().items())},
         "tiers": {n: describe(s) for n, s in sorted(manager.tiers().items())},
         "config_sections": {n: describe(s) for n, s in sorted(manager.config_sections().items())},
+        "eviction_policies": {n: describe(s) for n, s in sorted(manager.eviction_policies().items())},
         "plugins": {n: {"distribution": d} for n, d in sorted(manager.plugin_names().items())},
     }
 

@@ -13,15 +13,19 @@ from dataclasses import dataclass, field
 from typing import Any
 
 _REQUIRED = object()
-OPTION_KINDS = ("int", "float", "str", "bool", "size", "mapping")
+OPTION_KINDS = ("int", "float", "str", "bool", "size", "mapping", "eviction")
 
 
 @dataclass(frozen=True)
 class Option:
     """One option a backend, a tier or a config section accepts in the config.
 
-    :param kind: ``int``, ``float``, ``str``, ``bool``, ``size`` (bytes; accepts ``"2GiB"``) or
-        ``mapping`` (string keys to any values, passed on as a dict: a library's own options).
+    :param kind: ``int``, ``float``, ``str``, ``bool``, ``size`` (bytes; accepts ``"2GiB"``),
+        ``mapping`` (string keys to any values, passed on as a dict: a library's own options) or
+        ``eviction`` (the name of a registered eviction policy, checked against
+        ``corekv_register_eviction_policies``; the factory receives a fresh
+        :class:`corekv.eviction.EvictionPolicy` of that name, or the name itself when the
+        caller has no plugin manager: pass it to :func:`corekv.eviction.make_policy`).
     :param default: the value when the option is absent; omit it to make the option required.
     :param choices: allowed values, if the option is an enumeration.
     :param minimum: smallest allowed value for numbers and sizes.
@@ -89,6 +93,13 @@ class TierSpec(_Spec):
     """
 
     admin: Callable[..., Any] | None = None
+
+
+@dataclass(frozen=True)
+class EvictionPolicySpec(_Spec):
+    """An eviction policy: ``factory()`` returns a fresh :class:`corekv.eviction.EvictionPolicy`
+    (one per structure that evicts); the name is what ``eviction:`` says in the config.
+    ``options`` is unused (a policy with settings registers one name per setting)."""
 
 
 @dataclass(frozen=True)

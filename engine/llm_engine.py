@@ -26,6 +26,7 @@ import torch
 
 from corekv.config import Config
 from corekv.errors import ConfigError, CoreKVError, describe_exception
+from corekv.eviction import resolve_policy_options
 from corekv.engine.cpu.native import NativeBuildError, wants_native_kernels
 from corekv.hashing import PrefixKey, chain_seed, check_cache_salt
 from corekv.offload import make_offload
@@ -400,8 +401,10 @@ class Engine:
     # -- helpers -----------------------------------------------------------------------------
     def _make_backend(self, num_blocks: int):
         cache = self.config.cache  # NOTE: the config reader checked the name and the options
-        return self.plugin_manager.backends()[cache.backend].factory(
-            num_blocks, self.block_size, max_pinned_fraction=cache.max_pinned_fraction, **cache.backend_options)
+        spec = self.plugin_manager.backends()[cache.backend]
+        options = resolve_policy_options(spec.options, cache.backend_options, self.plugin_manager)
+        return spec.factory(num_blocks, self.block_size, max_pinned_fraction=cache.max_pinned_fraction,
+                            **options)
 
     def prefix_key(self, token_ids: list[int], cache_salt: str | None = None) -> PrefixKey:
         """The :class:`PrefixKey` under which this engine caches ``token_ids`` for ``cache_salt``."""

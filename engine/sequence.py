@@ -175,7 +175,7 @@ class Sequence:
              detokenizer: IncrementalDetokenizer | None) -> Sequence:
         """A sibling with the same tokens and progress; the caller shares the blocks."""
         key = PrefixKey(self.key.token_ids, self.key.block_size, self.key.namespace, self.key.algorithm,
-                        cache_salt=self.key.cache_salt)
+                        cache_salt=self.key.cache_salt, priority=self.key.priority)
         child = Sequence(self.request_id, self.prompt_token_ids, self.params, key, index=index,
                          generator=generator, detokenizer=detokenizer, arrival_time=self.arrival_time)
         child.output_token_ids = list(self.output_token_ids)

@@ -1,7 +1,8 @@
 """The radix tree's structural operations, kept apart from the backend verbs in ``radix.py``.
 
 Nodes hold whole pages; ``RadixTreeOps`` cuts block runs into nodes, splits edges, keeps lock refs
-from node to root with the evictable/protected accounting, adds leaves and evicts LRU leaves. It
+from node to root with the evictable/protected accounting, adds leaves and evicts unlocked leaves
+in the order of the backend's eviction policy (:mod:`corekv.eviction`; LRU by default). It
 is a mixin: the state it works on is created by :class:`corekv.plugins.radix.RadixBackend`.
 """
 from __future__ import annotations
@@ -15,9 +16,9 @@ from corekv.hashing import PrefixKey
 
 class Node:
     __slots__ = ("key", "value", "hashes", "children", "parent", "ref", "lock_ref",
-                 "last_access", "serial")
+                 "last_access", "serial", "num_hits", "priority")
 
-    def __init__(self, key, value, hashes, parent, serial):
+    def __init__(self, key, value, hashes, parent, serial, priority=0):
         self.key = key          # tokens of the edge into this node (for a root: its namespace)
         self.value = value      # one device block id per page of ``key``
         self.hashes = hashes    # one chained hash per page, or None when hashes are not tracked
@@ -26,7 +27,14 @@ class Node:
         self.ref = 0            # references held on *each* block of this node
         self.lock_ref = 0       # sum of ``ref`` over this node's subtree
         self.last_access = 0
-        self.serial = serial    # creation order: a deterministic tie-break for the LRU heap
+        self.serial = serial    # creation order: a deterministic tie-break for the eviction heap
+        self.num_hits = 0       # acquires of this node's blocks (what LFU counts)
+        self.priority = priority  # highest PrefixKey.priority that cached or walked through it
+
+    @property
+    def created(self) -> int:
+        """Creation order, as eviction policies read it (:class:`corekv.eviction.EntryStats`)."""
+        return self.serial
 
 
 class RadixTreeOps:
@@ -88,7 +96,7 @@ class RadixTreeOps:
             upper = lower = node
             upper = Node(node.key[:cut], node.value[:num_pages],
                          None if node.hashes is None else node.hashes[:num_pages], node.parent,
-                         self._serial)
+                         self._serial, node.priority)
             lower.key, lower.value = node.key[cut:], node.value[num_pages:]
             if lower.hashes is not None:
                 lower.hashes = lower.hashes[num_pages:]
@@ -100,7 +108,7 @@ class RadixTreeOps:
             upper = node
             lower = Node(node.key[cut:], node.value[num_pages:],
                          None if node.hashes is None else node.hashes[num_pages:], upper,
-                         self._serial)
+                         self._serial, node.priority)
             lower.children = upper.children
             for child in lower.children.values():
                 child.parent = lower
@@ -115,6 +123,7 @@ class RadixTreeOps:
         # both parts keep the references of the old node; the upper one also carries the lower's
         lower.ref = upper.ref = node.ref
         lower.last_access = upper.last_access = node.last_access
+        lower.num_hits = upper.num_hits = node.num_hits
         lower_lock = (upper.lock_ref if moved is lower else lower.lock_ref)
         lower.lock_ref = lower_lock
         upper.lock_ref = lower_lock + node.ref
@@ -188,7 +197,8 @@ class RadixTreeOps:
                 end += 1
             self._serial += 1
             node = Node(tokens[start * page:end * page], block_ids[start:end],
-                        None if hashes is None else hashes[start:end], parent, self._serial)
+                        None if hashes is None else hashes[start:end], parent, self._serial,
+                        key.priority)
             parent.children[child_key(node.key, 0)] = node
             leaves.discard(parent)
             node.ref = refs[start]
@@ -208,8 +218,10 @@ class RadixTreeOps:
             self._events.append(stored_event(key, first_page, first_page + num_ids))
 
     def _evict(self, num_blocks: int) -> None:
-        """Evict least-recently-used unlocked leaves until ``num_blocks`` blocks are free."""
-        heap = [(n.last_access, n.serial, n) for n in self._evictable_leaves]
+        """Evict unlocked leaves, smallest ``eviction.key(node)`` first (ties: oldest node), until
+        ``num_blocks`` blocks are free; a parent becomes a candidate when its last child goes."""
+        order = self.eviction.key
+        heap = [(order(n), n.serial, n) for n in self._evictable_leaves]
         heapq.heapify(heap)
         victims: list[Node] = []
         parent_to_gone: dict[Node, int] = {}
@@ -225,7 +237,7 @@ class RadixTreeOps:
             if parent.parent is not None and parent.lock_ref == 0:
                 gone = parent_to_gone[parent] = parent_to_gone.get(parent, 0) + 1
                 if gone == len(parent.children):
-                    heapq.heappush(heap, (parent.last_access, parent.serial, parent))
+                    heapq.heappush(heap, (order(parent), parent.serial, parent))
         if self._on_evict is not None:
             self._on_evict([EvictedBlock(h, b) for n in victims for h, b in zip(n.hashes, n.value)])
         child_key, free, leaves = self._child_key, self._free, self._evictable_leaves

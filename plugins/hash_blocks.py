@@ -1,34 +1,38 @@
-"""``hash_blocks``: the vLLM-style prefix cache, a hash -> block map whose free queue is the LRU.
+"""``hash_blocks``: the vLLM-style prefix cache, a hash -> block map over a free queue.
 
 Only full blocks are cached, each under the chained hash of its whole prefix
 (:mod:`corekv.hashing`), so one dict lookup per block finds the longest cached prefix. A block whose
 last reference goes keeps its content and hash and waits in the free queue, where it can still be
 hit; only when ``allocate`` takes it for new content is its hash dropped (and offered to
-``on_evict`` for write-back first).
+``on_evict`` for write-back first). Which cached-idle block ``allocate`` takes first is the
+eviction policy's answer (:mod:`corekv.eviction`; LRU by default).
 """
 from __future__ import annotations
 
-from collections import OrderedDict
 from collections.abc import Sequence
 
 from corekv.backend import BlockEvent, EvictedBlock, PrefixCacheBackend, check_count, stored_event
+from corekv.eviction import EvictionPolicy, make_policy
 from corekv.hashing import BlockHash, PrefixKey
 from corekv.plugin import BackendSpec, Option, hookimpl
 from corekv.plugins._pin_book import PinBook, _check_key
 
 
 class HashBlockBackend(PrefixCacheBackend):
-    """Chained-hash block cache with reference counts and an LRU free queue.
+    """Chained-hash block cache with reference counts and a free queue in eviction order.
 
     Invariants:
 
     * ``_ref[b] >= 0``; with ``_ref[b] == 0`` a block is in exactly one of ``_empty`` (no hash)
-      and ``_lru`` (cached-idle); together they are the free queue, ``_empty`` first;
+      and ``_idle`` (cached-idle, the candidates of the eviction queue); together they are the
+      free queue, ``_empty`` first;
     * ``_block_hash[b] == h`` iff ``_hash_to_block[h] == b`` (a hash maps to at most one block; a
       block holding a duplicate of a cached prefix has no hash and is private to its owner);
     * the free queue is in eviction order: uncached blocks first (reused before any cached one),
-      then cached-idle blocks from least to most recently released (``_lru`` order); a request's
-      blocks are released tail first, so a prefix's last block is evicted before its first;
+      then cached-idle blocks in the order of the ``eviction`` policy: with LRU from least to most
+      recently released; a request's blocks are released tail first, so with LRU (and with LFU
+      and priority, whose counts never grow along a prefix) a prefix's last block is evicted
+      before its first;
     * pinned blocks hold an extra reference (:class:`~corekv.plugins._pin_book.PinBook`), so they
       never reach the free queue.
     """
@@ -36,7 +40,7 @@ class HashBlockBackend(PrefixCacheBackend):
     name = "hash_blocks"
 
     def __init__(self, num_blocks: int, block_size: int, *, max_pinned_fraction: float = 0.2,
-                 record_events: bool = True):
+                 record_events: bool = True, eviction: str | EvictionPolicy | None = None):
         super().__init__(num_blocks, block_size, max_pinned_fraction=max_pinned_fraction)
         if not isinstance(record_events, bool):
             raise TypeError(f"record_events must be True or False, got {record_events!r}")
@@ -44,13 +48,14 @@ class HashBlockBackend(PrefixCacheBackend):
         self._ref = [0] * num_blocks
         self._block_hash: list[BlockHash | None] = [None] * num_blocks
         self._hash_to_block: dict[BlockHash, int] = {}
-        # NOTE: the LRU is an OrderedDict keyed by block id, not an intrusive linked list: it
+        # NOTE: LRU's queue is an OrderedDict keyed by block id, not an intrusive linked list: it
         # gives the same O(1) pop-from-head, append and removal from the middle (a hit touched out
         # of the queue), but every step runs in C, whereas a Python-level list costs several
         # attribute writes and a node object per block. Uncached free blocks (the queue's head in
         # vLLM) sit in a plain stack: they are never touched out, so they need no O(1) removal.
         self._empty: list[int] = list(range(num_blocks - 1, -1, -1))
-        self._lru: OrderedDict[int, None] = OrderedDict()
+        self.eviction = make_policy(eviction)
+        self._idle = self.eviction.make_queue()
         self._events: list[BlockEvent] = []
         self._pins = PinBook(self.max_pinned_blocks)
         self.num_evicted_blocks = 0
@@ -75,7 +80,8 @@ class HashBlockBackend(PrefixCacheBackend):
         # NOTE: checks inlined (min/max run in C); the per-request verbs are the hot path.
         if block_ids and (min(block_ids) < 0 or max(block_ids) >= self.num_blocks):
             self._check_ids("block_ids", block_ids)
-        ref, lru, block_hash = self._ref, self._lru, self._block_hash
+        ref, block_hash = self._ref, self._block_hash
+        take, touch = self._idle.take, self._idle.touch
         for i, b in enumerate(block_ids):
             r = ref[b]
             if r == 0:
@@ -83,14 +89,16 @@ class HashBlockBackend(PrefixCacheBackend):
                     self.free(block_ids[:i])
                     raise ValueError(f"block {b} in block_ids is free (neither cached nor in use); "
                                      "acquire only blocks returned by match()")
-                del lru[b]
+                take(b)
+            elif block_hash[b] is not None:
+                touch(b)   # a hit on a block another request holds still counts as a use
             ref[b] = r + 1
 
     def allocate(self, num_blocks: int) -> list[int] | None:
         check_count("num_blocks", num_blocks)
-        empty, lru, ref = self._empty, self._lru, self._ref
+        empty, idle, ref = self._empty, self._idle, self._ref
         num_reused = num_blocks - len(empty)
-        if num_reused > len(lru):
+        if num_reused > len(idle):
             return None
         if num_reused <= 0:
             block_ids = empty[len(empty) - num_blocks:]
@@ -101,10 +109,8 @@ class HashBlockBackend(PrefixCacheBackend):
         block_ids = empty[:]
         empty.clear()
         block_hash, hash_to_block = self._block_hash, self._hash_to_block
-        popitem = lru.popitem
         evicted: list[EvictedBlock] = []
-        for _ in range(num_reused):
-            b = popitem(last=False)[0]
+        for b in idle.pop_many(num_reused):
             h = block_hash[b]
             del hash_to_block[h]
             block_hash[b] = None
@@ -126,12 +132,14 @@ class HashBlockBackend(PrefixCacheBackend):
             self._check_ids("block_ids", block_ids)
         ref, block_hash, hash_to_block = self._ref, self._block_hash, self._hash_to_block
         stored = []   # indexes into the key's blocks
+        cached_ids = []   # every block that caches this key's prefix, new or not
         for i, (b, h) in enumerate(zip(block_ids, hashes)):
             current = block_hash[b]
             if current is not None:
                 if current != h:
                     raise ValueError(f"block {b} already caches another prefix; a cached block "
                                      "cannot be cached again under a different key")
+                cached_ids.append(b)
                 continue
             if ref[b] == 0:
                 raise ValueError(f"block {b} is not held by the caller; cache() takes blocks from "
@@ -141,13 +149,16 @@ class HashBlockBackend(PrefixCacheBackend):
             hash_to_block[h] = b
             block_hash[b] = h
             stored.append(i)
+            cached_ids.append(b)
+        self._idle.store_many(cached_ids, key.priority)
         if stored and self.record_events:
             self._record_stored(key, stored)
 
     def free(self, block_ids: Sequence[int]) -> None:
         if block_ids and (min(block_ids) < 0 or max(block_ids) >= self.num_blocks):
             self._check_ids("block_ids", block_ids)
-        ref, lru, empty, block_hash = self._ref, self._lru, self._empty, self._block_hash
+        ref, empty, block_hash = self._ref, self._empty, self._block_hash
+        add = self._idle.add
         released = block_ids[::-1]   # tail first
         for k, b in enumerate(released):
             r = ref[b] - 1
@@ -161,7 +172,7 @@ class HashBlockBackend(PrefixCacheBackend):
                 if block_hash[b] is None:
                     empty.append(b)
                 else:
-                    lru[b] = None
+                    add(b)
 
     # -- pinning -----------------------------------------------------------------------------
     def pin(self, key: PrefixKey) -> int:
@@ -173,7 +184,7 @@ class HashBlockBackend(PrefixCacheBackend):
     # -- accounting --------------------------------------------------------------------------
     @property
     def num_free_blocks(self) -> int:
-        return len(self._empty) + len(self._lru)
+        return len(self._empty) + len(self._idle)
 
     @property
     def num_empty_blocks(self) -> int:
@@ -210,7 +221,7 @@ class HashBlockBackend(PrefixCacheBackend):
         self._hash_to_block.clear()
         self._block_hash = [None] * self.num_blocks
         self._empty = list(range(self.num_blocks - 1, -1, -1))
-        self._lru.clear()
+        self._idle.clear()
         self._pins.clear()
 
     def stats(self) -> dict[str, int]:
@@ -226,11 +237,10 @@ class HashBlockBackend(PrefixCacheBackend):
                 # NOTE: undo the allocation so a failing write-back leaves the cache as it was.
                 for b in block_ids:
                     self._ref[b] = 0
-                for e in reversed(evicted):
+                for e in evicted:
                     self._block_hash[e.block_id] = e.block_hash
                     self._hash_to_block[e.block_hash] = e.block_id
-                    self._lru[e.block_id] = None
-                    self._lru.move_to_end(e.block_id, last=False)
+                self._idle.unpop_many([e.block_id for e in evicted])
                 self._empty.extend(block_ids[:len(block_ids) - len(evicted)])
                 raise
         self.num_evicted_blocks += len(evicted)
@@ -255,7 +265,7 @@ class HashBlockBackend(PrefixCacheBackend):
                 if self._block_hash[b] is None:
                     self._empty.remove(b)
                 else:
-                    del self._lru[b]
+                    self._idle.remove(b)
             self._ref[b] += 1
 
     def _check_ids(self, name: str, block_ids: Sequence[int]) -> None:
@@ -270,8 +280,13 @@ def corekv_register_backends() -> list[BackendSpec]:
     return [BackendSpec(
         name="hash_blocks",
         factory=HashBlockBackend,
-        options={"record_events": Option(
-            "bool", default=True,
-            help="keep stored/removed BlockEvents for take_events() (KV-event publishers)")},
-        description="vLLM-style chained-hash blocks; the free queue is the LRU",
+        options={
+            "record_events": Option(
+                "bool", default=True,
+                help="keep stored/removed BlockEvents for take_events() (KV-event publishers)"),
+            "eviction": Option("eviction", default="lru", help=(
+                "which cached-idle block the free queue hands out first: lru, lfu, priority or a "
+                "plugin's policy")),
+        },
+        description="vLLM-style chained-hash blocks; the free queue is in eviction order (LRU)",
     )]

@@ -12,6 +12,7 @@ from collections import Counter
 from collections.abc import Sequence
 
 from corekv.backend import BlockEvent, EvictCallback, PrefixCacheBackend, check_count
+from corekv.eviction import EvictionPolicy, make_policy
 from corekv.hashing import BlockHash, PrefixKey
 from corekv.plugin import BackendSpec, Option, hookimpl
 from corekv.plugins._pin_book import PinBook, _check_key
@@ -36,14 +37,18 @@ class RadixBackend(RadixTreeOps, PrefixCacheBackend):
     * every cached block counts in exactly one of ``_num_evictable_blocks`` (its node's
       ``lock_ref == 0``) and ``_num_protected_blocks``;
     * ``_evictable_leaves`` holds exactly the non-root leaves with ``lock_ref == 0``; eviction
-      removes whole least-recently-used ones, and a parent joins when its last child goes;
+      removes whole ones in the order of ``eviction`` (an :class:`~corekv.eviction.EvictionPolicy`
+      keyed on the node's ``last_access``, ``num_hits``, ``priority``, ``created``; LRU by
+      default), and a parent joins when its last child goes, so only leaves are ever evicted and
+      a locked node never is, whatever the policy;
     * edges are whole pages; the child key is an edge's first token (page 1) or first page.
     """
 
     name = "radix"
 
     def __init__(self, num_blocks: int, block_size: int, *, max_pinned_fraction: float = 0.2,
-                 track_hashes: bool = True, record_events: bool = True):
+                 track_hashes: bool = True, record_events: bool = True,
+                 eviction: str | EvictionPolicy | None = None):
         for opt, value in (("track_hashes", track_hashes), ("record_events", record_events)):
             if not isinstance(value, bool):
                 raise TypeError(f"{opt} must be True or False, got {value!r}")
@@ -53,6 +58,7 @@ class RadixBackend(RadixTreeOps, PrefixCacheBackend):
         self.track_hashes = track_hashes
         super().__init__(num_blocks, block_size, max_pinned_fraction=max_pinned_fraction)
         self.record_events = record_events
+        self.eviction = make_policy(eviction)
         self.page = block_size
         # NOTE: the child-key function is chosen once here, not branched on per lookup.
         self._child_key = (lambda t, i: t[i]) if block_size == 1 else (
@@ -119,6 +125,7 @@ class RadixBackend(RadixTreeOps, PrefixCacheBackend):
                 state[b] += 1
             else:
                 node.ref += 1
+                node.num_hits += 1
                 nodes.append(node)
         self._clock += 1
         self._add_locks(nodes, 1, self._clock)
@@ -154,7 +161,7 @@ class RadixBackend(RadixTreeOps, PrefixCacheBackend):
         if node is None:
             node = self._roots[key.namespace] = Node(key.namespace, [], None, None, -1)
         self._clock += 1
-        now, i = self._clock, 0
+        now, i, priority = self._clock, 0, key.priority
         while i < limit:
             child = node.children.get(child_key(tokens, i))
             if child is None:
@@ -163,10 +170,14 @@ class RadixBackend(RadixTreeOps, PrefixCacheBackend):
             edge = child.key
             end = i + len(edge)
             if end <= limit and tokens[i:end] == edge:
+                if priority > child.priority:
+                    child.priority = priority
                 node, i = child, end
                 continue
             num_pages = self._common_pages(edge, tokens, i, limit)
             node, i = self._split(child, num_pages)[0], i + num_pages * page
+            if priority > node.priority:
+                node.priority = priority
             break
         if i < limit:
             ids = block_ids[i // page:]
@@ -297,6 +308,8 @@ def corekv_register_backends() -> list[BackendSpec]:
                 "events); off for index-only simulations, which then never hash")),
             "record_events": Option("bool", default=True, help=(
                 "keep stored/removed BlockEvents for take_events(); needs track_hashes")),
+            "eviction": Option("eviction", default="lru", help=(
+                "which unlocked leaf goes first: lru, lfu, priority or a plugin's policy")),
         },
-        description="SGLang-style radix tree over pages, LRU eviction of unlocked leaves",
+        description="SGLang-style radix tree over pages, policy-ordered (LRU) eviction of unlocked leaves",
     )]

@@ -12,14 +12,24 @@ class TestHashBlocksConformance(BackendTests):
         return HashBlockBackend(num_blocks, block_size, **options)
 
 
+class TestHashBlocksLFUConformance(TestHashBlocksConformance):
+    """The whole suite again under the lfu policy (and its order test)."""
+    eviction = "lfu"
+
+
+class TestHashBlocksPriorityConformance(TestHashBlocksConformance):
+    """The whole suite again under the priority policy (and its order tests)."""
+    eviction = "priority"
+
+
 def test_free_queue_is_lru_released_tail_first_and_a_hit_is_touched_out():
     b = HashBlockBackend(4, 2)
     first = Request(b, [1, 2, 3, 4, 5])     # two full blocks and a partial one
     first.finish()
     full = first.table[:2]
-    assert list(b._lru) == full[::-1]       # tail first: the second block is reused first
+    assert list(b._idle) == full[::-1]       # tail first: the second block is reused first
     second = Request(b, [1, 2, 3, 4, 9])
-    assert second.hit == full and list(b._lru) == []  # touched out of the free queue
+    assert second.hit == full and list(b._idle) == []  # touched out of the free queue
     second.finish()
     got = b.allocate(3)
     assert set(got[:2]) == set(range(4)) - set(full)  # uncached blocks go before cached ones

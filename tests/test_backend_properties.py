@@ -8,7 +8,13 @@ and unpins run on pools of random size. After every step:
 * while nothing was evicted, hit lengths equal the brute-force longest cached prefix; after
   evictions they never exceed it;
 * every block's reference count equals the number of running requests and pins holding it
-  (so it is never negative and never owned twice); pinned runs stay cached.
+  (so it is never negative and never owned twice); pinned runs stay cached;
+* the radix tree's structure holds: every live node hangs below a live parent (only leaves were
+  ever evicted), ``lock_ref`` is the sum of ``ref`` over the subtree, and the evictable leaves are
+  exactly the unlocked ones.
+
+Every eviction policy runs the same streams (requests carry random priorities), so no policy's
+order can break these invariants.
 """
 from collections import Counter
 
@@ -18,6 +24,8 @@ from hypothesis import strategies as st
 
 from corekv.backend import PinLimitError
 from corekv.plugins.hash_blocks import HashBlockBackend
+from corekv.eviction import LFU, LRU, EvictionPolicy, Priority
+from corekv.plugins._radix_tree import Node
 from corekv.plugins.radix import RadixBackend
 from corekv.testing.backend import make_key
 
@@ -31,7 +39,7 @@ def draw_stream(rnd) -> dict:
         kind = rnd.choices(["request", "finish", "pin", "unpin"], [11, 5, 2, 2])[0]
         if kind == "request":
             suffix = [rnd.randrange(4) for _ in range(rnd.randint(0, 8))]
-            ops.append((kind, rnd.randrange(3), rnd.randrange(3), suffix))
+            ops.append((kind, rnd.randrange(3), rnd.randrange(3), suffix, rnd.randrange(3)))
         else:
             ops.append((kind, rnd.randrange(10)))
     return {"prefixes": [[rnd.randrange(4) for _ in range(rnd.randint(0, 14))] for _ in range(3)],
@@ -65,9 +73,9 @@ class Model:
         self.pins: list[tuple] = []               # (identity, key, run)
         self.serial = 0
 
-    def request(self, salt, toks):
+    def request(self, salt, toks, priority=0):
         b, bs = self.b, self.bs
-        key = make_key(toks, bs, salt)
+        key = make_key(toks, bs, salt, priority)
         hit = b.match(key, (len(toks) - 1) // bs)
         for j, block in enumerate(hit):
             assert self.memory[block] == (salt, tuple(toks[:(j + 1) * bs])), "a hit holds other KV"
@@ -125,6 +133,19 @@ class Model:
         assert b.num_pinned_blocks <= b.max_pinned_blocks
         for _, key, run in self.pins:
             assert b.match(key)[:len(run)] == run, "a pinned block was evicted"
+        if isinstance(b, RadixBackend):
+            check_radix_tree(b)
+
+
+def check_radix_tree(b: RadixBackend) -> None:
+    live = {x for x in b._state if isinstance(x, Node) and x.parent is not None}
+    for node in live:
+        parent = node.parent
+        assert parent.children.get(b._child_key(node.key, 0)) is node
+        assert parent.parent is None or parent in live, "an inner node was evicted below a live one"
+        assert node.lock_ref == node.ref + sum(c.lock_ref for c in node.children.values())
+    leaves = {n for n in live if not n.children and n.lock_ref == 0}
+    assert b._evictable_leaves == leaves, "the evictable leaves are not exactly the unlocked leaves"
 
 
 def run_stream(backend, stream):
@@ -132,10 +153,10 @@ def run_stream(backend, stream):
     prefixes = stream["prefixes"]
     for op in stream["ops"]:
         if op[0] == "request":
-            _, salt, prefix, suffix = op
+            _, salt, prefix, suffix, priority = op
             toks = prefixes[prefix % len(prefixes)] + suffix
             if toks and len(model.running) < 4:
-                model.request(SALTS[salt], toks)
+                model.request(SALTS[salt], toks, priority)
         elif op[0] == "finish" and model.running:
             backend.free(model.running.pop(op[1] % len(model.running)))
         elif op[0] == "pin":
@@ -158,17 +179,30 @@ PROPERTY_SETTINGS = settings(max_examples=150, deadline=None,
                              suppress_health_check=[HealthCheck.too_slow])
 
 
+#: every builtin policy, plus one keyed on creation order (what a third-party FIFO would be)
+POLICIES = {"lru": LRU, "lfu": LFU, "priority": Priority, "fifo-like": lambda: CreationOrder()}
+
+
+class CreationOrder(EvictionPolicy):
+    name = "creation-order"
+
+    def key(self, entry):
+        return entry.created
+
+
+@pytest.mark.parametrize("eviction", POLICIES)
 @pytest.mark.parametrize("block_size", [1, 2, 3])
 @PROPERTY_SETTINGS
 @given(stream=streams)
-def test_hash_blocks_against_the_model(block_size, stream):
-    run_stream(HashBlockBackend(stream["num_blocks"], block_size,
+def test_hash_blocks_against_the_model(block_size, eviction, stream):
+    run_stream(HashBlockBackend(stream["num_blocks"], block_size, eviction=POLICIES[eviction](),
                                 max_pinned_fraction=stream["pin_fraction"]), stream)
 
 
+@pytest.mark.parametrize("eviction", POLICIES)
 @pytest.mark.parametrize("block_size", [1, 2, 3])
 @PROPERTY_SETTINGS
 @given(stream=streams)
-def test_radix_against_the_model(block_size, stream):
-    run_stream(RadixBackend(stream["num_blocks"], block_size,
+def test_radix_against_the_model(block_size, eviction, stream):
+    run_stream(RadixBackend(stream["num_blocks"], block_size, eviction=POLICIES[eviction](),
                             max_pinned_fraction=stream["pin_fraction"]), stream)

@@ -16,6 +16,20 @@ class TestRadixTokenGranularConformance(TestRadixConformance):
     block_size = 1
 
 
+class TestRadixLFUConformance(TestRadixConformance):
+    """The whole suite again under the lfu policy (and its order test)."""
+    eviction = "lfu"
+
+
+class TestRadixPriorityConformance(TestRadixConformance):
+    """The whole suite again under the priority policy (and its order tests)."""
+    eviction = "priority"
+
+
+class TestRadixTokenGranularLFUConformance(TestRadixTokenGranularConformance):
+    eviction = "lfu"
+
+
 def edges(node):
     """``{first token: (edge tokens, children edges)}`` below ``node``."""
     return {k: (c.key, edges(c)) for k, c in node.children.items()}

@@ -68,7 +68,7 @@ def test_a_misspelled_key_suggests_the_right_one(tmp_path):
     assert result.returncode == 2
     assert one_line_error(result.stderr) == (
         "corekv: error: cache.tiers[0].sise: unknown key for tier 'host' (value '2GiB'); did you "
-        f"mean 'size'? Valid keys: type, name, required, size (in {path})")
+        f"mean 'size'? Valid keys: type, name, required, size, eviction (in {path})")
 
 
 def test_corekv_config_names_the_file_and_env_overrides_apply(tmp_path):

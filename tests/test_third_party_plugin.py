@@ -92,6 +92,33 @@ def test_its_own_conformance_tests_pass(installed):
     assert num_passed >= 200, f"expected every conformance suite to run, got:\n{result.stdout[-2000:]}"
 
 
+def test_its_fifo_eviction_policy_is_chosen_in_yaml_for_a_backend_and_a_tier(installed, tmp_path, monkeypatch):
+    """corekv_register_eviction_policies: a third party's policy is a name in the config like
+    corekv's own, reaching the backend and the tier built from it."""
+    import corekv
+    from corekv.eviction import resolve_policy_options
+    from corekv.tier_factory import make_tier
+
+    config = tmp_path / "cache.yaml"
+    config.write_text("cache:\n  backend: hash_blocks\n  backend_options: {eviction: fifo}\n"
+                      "  tiers:\n    - {type: host, size: 1MiB, eviction: fifo}\n")
+    with pytest.raises(corekv.ConfigError, match=r"backend_options\.eviction: got 'fifo'; expected "
+                       r"one of lfu, lru, priority"):
+        corekv.load_config(config, env={}, plugin_manager=make_plugin_manager(autoload=False))
+    monkeypatch.delenv(AUTOLOAD_ENV, raising=False)
+    manager = make_plugin_manager()
+    assert manager.eviction_policies()["fifo"].distribution == DISTRIBUTION
+    cfg = corekv.load_config(config, env={}, plugin_manager=manager)
+    spec = manager.backends()["hash_blocks"]
+    backend = spec.factory(8, 4, **resolve_policy_options(spec.options, cfg.cache.backend_options, manager))
+    assert backend.eviction.name == "fifo"
+    tier_cfg = cfg.cache.tiers[0]
+    tier_spec = manager.tiers()["host"]
+    with make_tier(tier_spec, resolve_policy_options(tier_spec.options, tier_cfg.options, manager),
+                   block_bytes=64, fingerprint=b"m") as tier:
+        assert tier.eviction.name == "fifo"
+
+
 def test_corekv_store_lists_verifies_and_clears_its_file_tier(installed, tmp_path, monkeypatch):
     """The file tier declares an admin view, so ``corekv store`` reads it with no code in corekv;
     the in-memory tier declares none and is skipped with a note."""

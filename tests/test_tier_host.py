@@ -12,7 +12,11 @@ from corekv.tiers.host import HostTier
 class TestHostTier(TierTests):
     def make_tier(self, tmp_path, block_bytes):
         return HostTier(size=self.min_capacity_blocks * (block_bytes + HEADER_SIZE), block_bytes=block_bytes,
-                        fingerprint=self.fingerprint)
+                        fingerprint=self.fingerprint, eviction=self.eviction)
+
+
+class TestHostTierLFU(TestHostTier):
+    eviction = "lfu"
 
 
 def small_host(num_slots, block_bytes=256):

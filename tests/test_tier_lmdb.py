@@ -20,7 +20,12 @@ FINGERPRINT = TierTests.fingerprint
 class TestLMDBTier(TierTests):
     def make_tier(self, tmp_path, block_bytes):
         return LMDBTier(path=str(tmp_path / "kv"), size=1024**2, block_bytes=block_bytes,
-                        fingerprint=self.fingerprint)
+                        fingerprint=self.fingerprint, eviction=self.eviction)
+
+
+class TestLMDBTierLFU(TestLMDBTier):
+    """LFU reads hit counts from the store's ``stats`` records (written with the access stamps)."""
+    eviction = "lfu"
 
 
 class TestLMDBAdmin(StoreAdminTests):

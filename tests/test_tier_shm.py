@@ -34,7 +34,12 @@ class TestShmTier(TierTests):
         self.path = shm_path
 
     def make_tier(self, tmp_path, block_bytes):
-        return ShmTier(path=self.path, size=1024**2, block_bytes=block_bytes, fingerprint=self.fingerprint)
+        return ShmTier(path=self.path, size=1024**2, block_bytes=block_bytes, fingerprint=self.fingerprint,
+                       eviction=self.eviction)
+
+
+class TestShmTierLFU(TestShmTier):
+    eviction = "lfu"
 
 
 class TestShmAdmin(StoreAdminTests):

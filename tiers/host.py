@@ -1,22 +1,23 @@
 """``host``: KV blocks in one preallocated arena of CPU memory (pinned when CUDA is present)."""
 from __future__ import annotations
 
-from collections import OrderedDict
 from collections.abc import Iterator, Sequence
 
 import numpy as np
 
 from corekv.errors import ConfigError
+from corekv.eviction import EvictionPolicy, make_policy
 from corekv.plugin import Option, TierSpec, hookimpl
 from corekv.tier import BlockHash, Tier
 
 
 class HostTier(Tier):
-    """An LRU cache of entries in ``size // entry_bytes`` fixed slots of one uint8 arena.
+    """A cache of entries in ``size // entry_bytes`` fixed slots of one uint8 arena.
 
-    Invariants: ``key_to_slot`` and ``free_slots`` partition the slots; ``key_to_slot`` is in LRU
-    order (oldest first; ``get`` hits and re-``put`` move a key to the end); memory is allocated
-    once at construction and never grows.
+    Invariants: ``key_to_slot`` and ``free_slots`` partition the slots; every key of
+    ``key_to_slot`` is a candidate of the eviction queue (``get`` hits and re-``put`` are uses),
+    which a full arena pops for the slot to reuse (LRU by default, :mod:`corekv.eviction`);
+    memory is allocated once at construction and never grows.
     """
 
     supports_listing = True
@@ -26,7 +27,7 @@ class HostTier(Tier):
 
     def __init__(self, *, size: int, block_bytes: int, fingerprint: bytes, dtype: str = "uint8",
                  shape: Sequence[int] | None = None, name: str | None = None,
-                 pin_memory: bool | None = None):
+                 pin_memory: bool | None = None, eviction: str | EvictionPolicy | None = None):
         super().__init__(block_bytes=block_bytes, fingerprint=fingerprint, dtype=dtype, shape=shape,
                          name=name or "host")
         entry_bytes = self.codec.entry_bytes
@@ -44,7 +45,9 @@ class HostTier(Tier):
         self.arena = torch.empty((self.num_slots, entry_bytes), dtype=torch.uint8, pin_memory=pin_memory)
         # NOTE: numpy views of the same memory make the per-slot copies cheap (no torch dispatch).
         self._rows = self.arena.numpy()
-        self.key_to_slot: OrderedDict[BlockHash, int] = OrderedDict()
+        self.key_to_slot: dict[BlockHash, int] = {}
+        self.eviction = make_policy(eviction)
+        self._queue = self.eviction.make_queue()
         self.free_slots: list[int] = list(range(self.num_slots - 1, -1, -1))
         self.slot_lengths = [0] * self.num_slots
 
@@ -66,12 +69,13 @@ class HostTier(Tier):
 
     def _read_entries(self, keys: list[BlockHash]) -> list[bytes | None]:
         entries: list[bytes | None] = []
+        touch = self._queue.touch
         for key in keys:
             slot = self.key_to_slot.get(key)
             if slot is None:
                 entries.append(None)
                 continue
-            self.key_to_slot.move_to_end(key)
+            touch(key)
             # NOTE: a copy, not a view: the slot may be reused by the next put while the caller
             # still holds the payload.
             entries.append(self._rows[slot, :self.slot_lengths[slot]].tobytes())
@@ -81,10 +85,11 @@ class HostTier(Tier):
         # NOTE: views straight into the arena are safe here: the caller holds the tier's lock,
         # so no put can reuse a slot before visit() has copied them out.
         found = []
+        touch = self._queue.touch
         for index, key in enumerate(keys):
             slot = self.key_to_slot.get(key)
             if slot is not None:
-                self.key_to_slot.move_to_end(key)
+                touch(key)
                 found.append((index, self._rows[slot, :self.slot_lengths[slot]]))
         visit(found)
 
@@ -92,7 +97,7 @@ class HostTier(Tier):
         for key, parts in items:
             slot = self.key_to_slot.get(key)
             if slot is not None:
-                self.key_to_slot.move_to_end(key)
+                self._queue.touch(key)
                 continue
             slot = self._take_slot()
             row = self._rows[slot]
@@ -105,6 +110,7 @@ class HostTier(Tier):
             # and fails as truncated, instead of as zero padding.
             self.slot_lengths[slot] = offset
             self.key_to_slot[key] = slot
+            self._queue.add(key)
             self._stats["puts"] += 1
             self._stats["bytes_written"] += offset
         return len(items)
@@ -117,16 +123,18 @@ class HostTier(Tier):
             slot = self.key_to_slot.pop(key, None)
             if slot is not None:
                 self.free_slots.append(slot)
+                self._queue.discard(key)
 
     def _take_slot(self) -> int:
         if self.free_slots:
             return self.free_slots.pop()
-        _, slot = self.key_to_slot.popitem(last=False)
+        slot = self.key_to_slot.pop(self._queue.pop())
         self._stats["evictions"] += 1
         return slot
 
     def _close(self) -> None:
         self.key_to_slot.clear()
+        self._queue.clear()
         self.free_slots = []
         self._rows = None
         self.arena = None
@@ -137,6 +145,11 @@ def corekv_register_tiers() -> list[TierSpec]:
     return [TierSpec(
         name="host",
         factory=HostTier,
-        options={"size": Option("size", help="bytes of CPU memory for the arena, e.g. 2GiB", minimum=1)},
-        description="KV blocks in one preallocated (pinned when CUDA is present) CPU arena, LRU",
+        options={
+            "size": Option("size", help="bytes of CPU memory for the arena, e.g. 2GiB", minimum=1),
+            "eviction": Option("eviction", default="lru", help=(
+                "which entry a full arena drops first: lru, lfu, a plugin's policy (priority reads "
+                "as lru here: tiers see no request priorities)")),
+        },
+        description="KV blocks in one preallocated (pinned when CUDA is present) CPU arena, LRU by default",
     )]

@@ -2,18 +2,22 @@
 
 The store's layout is written once, here, for the tier (one model's entries) and its admin view
 (every model's, for ``corekv store``): named DB ``blocks`` maps ``model digest[:6] + block hash``
-to the entry, named DB ``access`` maps the same keys to the last access time.
+to the entry, named DB ``access`` maps the same keys to the last access time, and named DB
+``stats`` maps them to what eviction policies other than LRU read: the time the entry was stored
+and its hits (``<QI``: ns, count; a key without one reads as stored at its last access, never hit).
 """
 from __future__ import annotations
 
 import logging
 import os
+import struct
 import time
 from collections.abc import Iterator, Sequence
 
 import lmdb
 
 from corekv.errors import ConfigError, CoreKVError
+from corekv.eviction import EntryStats, EvictionPolicy, make_policy
 from corekv.plugin import Option, TierSpec, hookimpl
 from corekv.tier import BlockHash, Tier
 from corekv.tier_admin import EntryUse, StoreAdmin, StoredEntry
@@ -21,7 +25,8 @@ from corekv.tiers.lmdb_file import close_lmdb, open_lmdb
 
 logger = logging.getLogger(__name__)
 _KEY_PREFIX_BYTES = 6
-_BLOCKS_DB, _ACCESS_DB = b"blocks", b"access"
+_BLOCKS_DB, _ACCESS_DB, _STATS_DB = b"blocks", b"access", b"stats"
+_STATS = struct.Struct("<QI")  # stored at (ns), hits
 _FLUSH_ACCESS_EVERY = 256
 _EPOCH_KEY = b"\x00corekv-epoch"  # in the access DB; never a block key (those are 22+ bytes)
 
@@ -68,9 +73,10 @@ class LMDBTier(Tier):
     def __init__(self, *, path: str, size: int, block_bytes: int, fingerprint: bytes,
                  dtype: str = "uint8", shape: Sequence[int] | None = None, name: str | None = None,
                  max_readers: int = 126, sync: bool = True, evict_high: float = 0.9,
-                 evict_low: float = 0.8):
+                 evict_low: float = 0.8, eviction: str | EvictionPolicy | None = None):
         super().__init__(block_bytes=block_bytes, fingerprint=fingerprint, dtype=dtype, shape=shape,
                          name=name or "lmdb")
+        self.eviction = make_policy(eviction)
         if not isinstance(path, (str, os.PathLike)) or not str(path):
             raise ConfigError(f"path must be a directory path, got {path!r}; set "
                               "cache.tiers[].path", path="path")
@@ -90,9 +96,11 @@ class LMDBTier(Tier):
         self.env.reader_check()
         self._blocks = self.env.open_db(_BLOCKS_DB)
         self._access = self.env.open_db(_ACCESS_DB)
+        self._stats_db = self.env.open_db(_STATS_DB)
         self._page_bytes = self.env.stat()["psize"]
         self._key_prefix = self.codec.model_digest[:_KEY_PREFIX_BYTES]
         self._pending_access: dict[bytes, int] = {}
+        self._pending_hits: dict[bytes, int] = {}
         self.evict_high, self.evict_low = evict_high, evict_low
         self._is_full_logged = False
         #: why this process quarantined the store (a damaged page found while reading); None: healthy
@@ -137,10 +145,12 @@ class LMDBTier(Tier):
         except lmdb.Error as e:
             self._count_error("read", e)
             return [None] * len(keys)
-        now = time.time_ns()
+        now, hits = time.time_ns(), self._pending_hits
         for key, entry in zip(keys, entries):
             if entry is not None:
-                self._pending_access[self._key_prefix + key] = now
+                db_key = self._key_prefix + key
+                self._pending_access[db_key] = now
+                hits[db_key] = hits.get(db_key, 0) + 1
         if len(self._pending_access) >= _FLUSH_ACCESS_EVERY:
             self._flush_access()
         return entries
@@ -162,8 +172,10 @@ class LMDBTier(Tier):
         except lmdb.Error as e:
             hit_keys = []
             self._count_error("read", e)
+        hits = self._pending_hits
         for db_key in hit_keys:
             self._pending_access[db_key] = now
+            hits[db_key] = hits.get(db_key, 0) + 1
         if len(self._pending_access) >= _FLUSH_ACCESS_EVERY:
             self._flush_access()
 
@@ -210,9 +222,10 @@ class LMDBTier(Tier):
         try:
             db_keys = [self._key_prefix + key for key in keys]
             with self.env.begin(write=True) as txn:
-                _delete_db_keys(txn, db_keys, self._blocks, self._access)
+                _delete_db_keys(txn, db_keys, self._blocks, self._access, self._stats_db)
             for db_key in db_keys:
                 self._pending_access.pop(db_key, None)
+                self._pending_hits.pop(db_key, None)
         except lmdb.Error as e:
             self._count_error("delete", e)
 
@@ -233,6 +246,7 @@ class LMDBTier(Tier):
             # NOTE: access stamps only order eviction; losing a batch of them (map full, disk
             # error) must never turn a successful read into an exception.
             self._pending_access.clear()
+            self._pending_hits.clear()
             self._count_error("access update", e)
 
     def _write_txn(self, items) -> int:
@@ -242,17 +256,25 @@ class LMDBTier(Tier):
         # the stamps' presence checks copied every stamped block (a 4K-token reload's flush: 188
         # MB, a quarter of that reload's time; BENCHMARKS.md, "Reload bandwidth at every size").
         with self.env.begin(write=True, buffers=True) as txn:
+            hits = self._pending_hits
             for db_key, stamp in self._pending_access.items():
                 if txn.get(db_key, db=self._blocks) is not None:  # it may have been evicted since
                     txn.put(db_key, stamp.to_bytes(8, "little"), db=self._access)
+                    if db_key in hits:
+                        old = txn.get(db_key, db=self._stats_db)
+                        stored_at, num_hits = _STATS.unpack(old) if old is not None else (stamp, 0)
+                        txn.put(db_key, _STATS.pack(stored_at, min(num_hits + hits[db_key], 2**32 - 1)),
+                                db=self._stats_db)
             for key, parts in items:
                 db_key = self._key_prefix + key
                 entry = parts[0] if len(parts) == 1 else b"".join(parts)
                 if txn.put(db_key, entry, db=self._blocks, overwrite=False):
                     num_written += 1
                     num_bytes += len(entry)
+                    txn.put(db_key, _STATS.pack(int.from_bytes(now, "little"), 0), db=self._stats_db)
                 txn.put(db_key, now, db=self._access)
         self._pending_access.clear()
+        self._pending_hits.clear()
         self._stats["puts"] += num_written
         self._stats["bytes_written"] += num_bytes
         return len(items)
@@ -267,20 +289,31 @@ class LMDBTier(Tier):
         return num_stored
 
     def _evict(self, target_bytes: int) -> None:
-        """Delete least recently used entries (of any model) until live pages fit target_bytes."""
+        """Delete entries (of any model) in the eviction policy's order (least recently used
+        first by default) until live pages fit target_bytes."""
         num_evicted = 0
         with self.env.begin(write=True, buffers=True) as txn:
             live = self._live_bytes(txn)
             if live <= target_bytes:
                 return
             stamped = {bytes(k): int.from_bytes(v, "little") for k, v in txn.cursor(db=self._access)}
-            order = sorted(((stamped.get(bytes(k), 0), bytes(k))
-                            for k in txn.cursor(db=self._blocks).iternext(values=False)))
+            stats = {bytes(k): _STATS.unpack(v) for k, v in txn.cursor(db=self._stats_db)}
+            order_key = self.eviction.key
+
+            def entry_key(db_key: bytes):
+                last = stamped.get(db_key, 0)
+                stored_at, num_hits = stats.get(db_key, (last, 0))
+                return order_key(EntryStats(last, num_hits, 0, stored_at))
+
+            # NOTE: the same (key, db_key) sort as before policies were a seam: with LRU the key
+            # is the access stamp, so LRU evicts exactly the entries it evicted then.
+            order = sorted(((entry_key(k), k) for k in map(bytes, txn.cursor(db=self._blocks)
+                                                              .iternext(values=False))))
             for _, db_key in order:
                 if live <= target_bytes:
                     break
                 live -= self._pages_for(len(txn.get(db_key, db=self._blocks)))
-                _delete_db_keys(txn, [db_key], self._blocks, self._access)
+                _delete_db_keys(txn, [db_key], self._blocks, self._access, self._stats_db)
                 num_evicted += 1
         self._stats["evictions"] += num_evicted
 
@@ -294,7 +327,8 @@ class LMDBTier(Tier):
 
     def _live_bytes(self, txn) -> int:
         pages = 0
-        for stat in (self.env.stat(), txn.stat(self._blocks), txn.stat(self._access)):
+        for stat in (self.env.stat(), txn.stat(self._blocks), txn.stat(self._access),
+                     txn.stat(self._stats_db)):
             pages += stat["branch_pages"] + stat["leaf_pages"] + stat["overflow_pages"]
         return pages * self._page_bytes
 
@@ -325,7 +359,7 @@ class LMDBAdmin(StoreAdmin):
     """
 
     def __init__(self, *, path: str, size: int, max_readers: int = 126, sync: bool = True,
-                 evict_high: float = 0.9, evict_low: float = 0.8):
+                 evict_high: float = 0.9, evict_low: float = 0.8, eviction: str | None = None):
         self.path = os.path.realpath(os.fspath(path))
         if not os.path.exists(self.path):
             raise FileNotFoundError(f"no LMDB store at {self.path} (nothing was stored yet, or "
@@ -338,6 +372,7 @@ class LMDBAdmin(StoreAdmin):
             raise CoreKVError(str(e)) from e
         self._blocks = self.env.open_db(_BLOCKS_DB)
         self._access = self.env.open_db(_ACCESS_DB)
+        self._stats_db = self.env.open_db(_STATS_DB)
         self._is_closed = False
 
     def entries(self) -> Iterator[StoredEntry]:
@@ -356,7 +391,7 @@ class LMDBAdmin(StoreAdmin):
 
     def delete(self, refs: Sequence[bytes]) -> None:
         with self.env.begin(write=True) as txn:
-            _delete_db_keys(txn, refs, self._blocks, self._access)
+            _delete_db_keys(txn, refs, self._blocks, self._access, self._stats_db)
 
     #: NOTE: a running tier writes its hits' stamps in batches (every 256 hits, on its next
     #: write and on close), so a use may show up to that late
@@ -377,7 +412,6 @@ class LMDBAdmin(StoreAdmin):
                                     f"({type(e).__name__}: {' '.join(str(e).split())}); move its "
                                     "folder away or delete it") from e
 
-
     def capacity_bytes(self) -> int:
         return self.env.info()["map_size"]
 
@@ -388,15 +422,15 @@ class LMDBAdmin(StoreAdmin):
 
 
 def _open_store(path: str, *, size: int, max_readers: int, sync: bool) -> lmdb.Environment:
-    return open_lmdb(path, map_size=size, max_dbs=2, max_readers=max_readers, lock=True,
+    return open_lmdb(path, map_size=size, max_dbs=3, max_readers=max_readers, lock=True,
                      subdir=True, sync=sync, metasync=sync)
 
 
-def _delete_db_keys(txn, db_keys, blocks, access) -> None:
-    """Delete entries and their access stamps (absent keys are ignored) in ``txn``."""
+def _delete_db_keys(txn, db_keys, *dbs) -> None:
+    """Delete entries and their access stamps and stats (absent keys are ignored) in ``txn``."""
     for db_key in db_keys:
-        txn.delete(db_key, db=blocks)
-        txn.delete(db_key, db=access)
+        for db in dbs:
+            txn.delete(db_key, db=db)
 
 
 @hookimpl
@@ -413,6 +447,9 @@ def corekv_register_tiers() -> list[TierSpec]:
                            "loss may drop the last writes)"),
             "evict_high": Option("float", default=0.9, help="evict when this full", minimum=0),
             "evict_low": Option("float", default=0.8, help="evict down to this fraction", minimum=0),
+            "eviction": Option("eviction", default="lru", help=(
+                "which entries a full store deletes first: lru, lfu, a plugin's policy (priority "
+                "reads as lru here: tiers see no request priorities)")),
         },
-        description="KV blocks in an LMDB file on local disk, LRU, shared by the machine's processes",
+        description="KV blocks in an LMDB file on local disk, LRU by default, shared by the machine's processes",
     )]

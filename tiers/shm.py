@@ -10,7 +10,8 @@ them. What LMDB gives is what a node-shared tier needs:
 - a process killed at any point (kill -9) leaves the store consistent: an uncommitted write is
   simply gone, the writer lock is a robust mutex the next writer takes over, and stale reader
   slots are cleared (at open and before every eviction);
-- capacity is bounded (the map size) with LRU eviction across processes (the ``lmdb`` tier's);
+- capacity is bounded (the map size) with eviction across processes in the order of the
+  ``lmdb`` tier's policy (LRU by default; ``eviction: lfu`` keeps the most hit entries);
 - the store outlives every process that uses it (until the machine restarts or it is cleared),
   as LMCache's server keeps its cache across vLLM restarts.
 
@@ -103,12 +104,13 @@ class ShmTier(LMDBTier):
 
     def __init__(self, *, size: int, block_bytes: int, fingerprint: bytes, path: str = DEFAULT_PATH,
                  dtype: str = "uint8", shape: Sequence[int] | None = None, name: str | None = None,
-                 max_readers: int = 510, evict_high: float = 0.9, evict_low: float = 0.8):
+                 max_readers: int = 510, evict_high: float = 0.9, evict_low: float = 0.8,
+                 eviction=None):
         if isinstance(path, (str, os.PathLike)) and str(path) and isinstance(size, int):
             check_shm_path(os.fspath(path), size)
         super().__init__(path=path, size=size, block_bytes=block_bytes, fingerprint=fingerprint,
                          dtype=dtype, shape=shape, name=name or "shm", max_readers=max_readers,
-                         sync=False, evict_high=evict_high, evict_low=evict_low)
+                         sync=False, evict_high=evict_high, evict_low=evict_low, eviction=eviction)
 
     def _evict(self, target_bytes: int) -> None:
         # NOTE: a reader slot of a process killed mid-read pins the pages of its snapshot, and
@@ -121,7 +123,7 @@ class ShmAdmin(LMDBAdmin):
     """The shared memory store seen whole (``corekv store``); the ``lmdb`` tier's view."""
 
     def __init__(self, *, size: int, path: str = DEFAULT_PATH, max_readers: int = 510,
-                 evict_high: float = 0.9, evict_low: float = 0.8):
+                 evict_high: float = 0.9, evict_low: float = 0.8, eviction: str | None = None):
         super().__init__(path=path, size=size, max_readers=max_readers, sync=False,
                          evict_high=evict_high, evict_low=evict_low)
 
@@ -141,6 +143,9 @@ def corekv_register_tiers() -> list[TierSpec]:
                                   minimum=1),
             "evict_high": Option("float", default=0.9, help="evict when this full", minimum=0),
             "evict_low": Option("float", default=0.8, help="evict down to this fraction", minimum=0),
+            "eviction": Option("eviction", default="lru", help=(
+                "which entries a full store deletes first: lru, lfu, a plugin's policy (priority "
+                "reads as lru here: tiers see no request priorities)")),
         },
-        description="KV blocks in shared memory (/dev/shm) that every process on the node sees, LRU",
+        description="KV blocks in shared memory (/dev/shm) that every process on the node sees, LRU by default",
     )]

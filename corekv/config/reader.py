@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import importlib.util
 from collections.abc import Mapping
-from dataclasses import Field, fields, is_dataclass
+from dataclasses import Field, fields, is_dataclass, replace
 from typing import Any
 
 from corekv.config.schema import (
@@ -213,7 +213,7 @@ class ConfigReader:
         for name, option in schema.items():
             option_path = _join(path, name)
             if name in raw and not (raw[name] is None and option.default is None):
-                result[name] = self.checked(raw[name], Check.for_option(option), option_path)
+                result[name] = self.checked(raw[name], self.option_check(option), option_path)
             elif name in raw or not option.is_required:
                 default = option.default
                 result[name] = parse_size(default) if option.kind == "size" and isinstance(default, str) else default
@@ -222,6 +222,13 @@ class ConfigReader:
                 raise self.error(option_path, f"missing; expected {Check.for_option(option).expected()}"
                                  f"{about}, required{owner}")
         return result
+
+    def option_check(self, option: Any) -> Check:
+        """An option's check; for kind ``eviction`` its choices are the registered policies."""
+        check = Check.for_option(option)
+        if option.kind == "eviction":
+            check = replace(check, choices=tuple(sorted(self.plugin_manager.eviction_policies())))
+        return check
 
     # -- checks ----------------------------------------------------------------------------------
     def check_top_level_mapping(self, raw: Any) -> None:

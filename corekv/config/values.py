@@ -115,6 +115,8 @@ class Check:
             "str": "a string" if self.allow_empty else "a non-empty string",
             "bool": "true or false", "size": f"a size such as {SIZE_EXAMPLES}",
             "mapping": "a mapping of names to values (YAML `key: value` lines)",
+            "eviction": "the name of a registered eviction policy (lru, lfu, priority, or a "
+                        "plugin's; see `corekv plugins`)",
         }[self.kind]
         if self.power_of_two:
             text = "a power of two (1, 2, 4, 8, 16, ...)"
@@ -144,7 +146,7 @@ class Check:
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
                 return False, None
             value = float(value)
-        elif kind == "str" and (not isinstance(value, str) or not (value or self.allow_empty)):
+        elif kind in ("str", "eviction") and (not isinstance(value, str) or not (value or self.allow_empty)):
             return False, None
         elif kind == "mapping":
             if not isinstance(value, Mapping) or not all(isinstance(k, str) for k in value):

@@ -10,6 +10,7 @@ import logging
 
 from corekv.config import CacheConfig
 from corekv.errors import ConfigError, PluginError
+from corekv.eviction import resolve_policy_options
 from corekv.offload.cost import ReloadCost
 from corekv.offload.facade import Offload
 from corekv.offload.null import NullOffload
@@ -46,7 +47,10 @@ def make_tiers(cache: CacheConfig, plugin_manager, *, fingerprint: str, dtype: s
     try:
         for i, tier_cfg in enumerate(cache.tiers):
             try:
-                tier = make_tier(specs[tier_cfg.type], tier_cfg.options, block_bytes=block_bytes,
+                # NOTE: eviction policies by name from this manager (a config's plugins: included)
+                options = resolve_policy_options(specs[tier_cfg.type].options, tier_cfg.options,
+                                                 plugin_manager)
+                tier = make_tier(specs[tier_cfg.type], options, block_bytes=block_bytes,
                                  fingerprint=fingerprint_bytes(fingerprint), dtype=dtype,
                                  shape=shape, name=tier_cfg.name, secret=secret, where=f"cache.tiers[{i}]")
                 tiers.append(tier)

@@ -9,7 +9,13 @@ Usage (a third-party backend does exactly what corekv's own tests do)::
             return MyBackend(num_blocks, block_size, **options)
 
 ``make_backend`` must return an empty backend whose blocks carry their prefix hash
-(``block_hash``), with events recorded; ``options`` is only ever ``max_pinned_fraction``.
+(``block_hash``), with events recorded; ``options`` is only ever ``max_pinned_fraction`` and, for
+a backend that takes an eviction policy, ``eviction``: set the class attribute ``eviction`` to a
+policy name (``"lfu"``) and subclass once per policy, so every policy runs the whole suite (the
+LFU and priority order tests run only under their policy)::
+
+    class TestMyBackendLFU(TestMyBackend):
+        eviction = "lfu"
 The suite drives the backend through the verbs of :class:`corekv.backend.PrefixCacheBackend`
 the way the engine does (``Request`` below) and checks only observable behaviour.
 """
@@ -23,16 +29,17 @@ from corekv.hashing import PrefixKey, chain_seed
 MODEL = "corekv-testing-model"
 
 
-def make_key(tokens, block_size: int, salt: str | None = None) -> PrefixKey:
-    return PrefixKey(tokens, block_size, chain_seed(MODEL, block_size, cache_salt=salt))
+def make_key(tokens, block_size: int, salt: str | None = None, priority: int = 0) -> PrefixKey:
+    return PrefixKey(tokens, block_size, chain_seed(MODEL, block_size, cache_salt=salt),
+                     priority=priority)
 
 
 class Request:
     """One request as the engine admits it (:func:`corekv.backend.admit`), its full blocks
     cached at once; ``finish`` frees."""
 
-    def __init__(self, backend: PrefixCacheBackend, tokens, salt: str | None = None):
-        self.backend, self.key = backend, make_key(tokens, backend.block_size, salt)
+    def __init__(self, backend: PrefixCacheBackend, tokens, salt: str | None = None, priority: int = 0):
+        self.backend, self.key = backend, make_key(tokens, backend.block_size, salt, priority)
         admission = admit(backend, self.key, len(tokens), cache=True)
         if admission is None:
             raise MemoryError("pool too small for this request")
@@ -54,11 +61,15 @@ class BackendTests:
     """Behaviour every :class:`~corekv.backend.PrefixCacheBackend` must have."""
 
     block_size = 4
+    #: the eviction policy passed to ``make_backend`` (``None``: none passed, the backend's default)
+    eviction: str | None = None
 
     def make_backend(self, num_blocks: int, block_size: int, **options) -> PrefixCacheBackend:
         raise NotImplementedError("subclasses of BackendTests define make_backend(num_blocks, block_size)")
 
     def backend(self, num_blocks: int = 16, **options) -> PrefixCacheBackend:
+        if self.eviction is not None:
+            options["eviction"] = self.eviction
         return self.make_backend(num_blocks, self.block_size, **options)
 
     # -- lookup ------------------------------------------------------------------------------
@@ -155,6 +166,45 @@ class BackendTests:
         assert b.allocate(2) is not None
         assert len(b.match(make_key(tokens(2 * bs, start=100), bs))) == 2
         assert b.match(make_key(tokens(2 * bs, start=500), bs)) == []
+
+    def test_lfu_keeps_the_often_hit_prefix_over_more_recent_ones(self):
+        if self.eviction != "lfu":
+            pytest.skip("an order test of the lfu policy")
+        b, bs = self.backend(6), self.block_size
+        hot = tokens(2 * bs, start=100)
+        for _ in range(3):
+            Request(b, hot + [1]).finish()          # hit twice after the first
+        Request(b, tokens(2 * bs, start=500)).finish()
+        Request(b, tokens(2 * bs, start=900)).finish()  # the most recent, never hit
+        assert b.allocate(2) is not None
+        assert len(b.match(make_key(hot, bs))) == 2, "LFU evicted the hot prefix"
+        assert b.match(make_key(tokens(2 * bs, start=500), bs)) == []
+
+    def test_priority_evicts_the_low_priority_prefix_first(self):
+        if self.eviction != "priority":
+            pytest.skip("an order test of the priority policy")
+        b, bs = self.backend(6), self.block_size
+        Request(b, tokens(2 * bs, start=100), priority=5).finish()   # the oldest, but paid for
+        Request(b, tokens(2 * bs, start=500)).finish()
+        Request(b, tokens(2 * bs, start=900), priority=1).finish()
+        assert b.allocate(4) is not None
+        assert len(b.match(make_key(tokens(2 * bs, start=100), bs))) == 2
+        assert b.match(make_key(tokens(2 * bs, start=500), bs)) == []
+        assert b.match(make_key(tokens(2 * bs, start=900), bs)) == []   # LRU among equals: next
+        assert b.allocate(2) is not None
+        assert b.match(make_key(tokens(2 * bs, start=100), bs)) == []
+
+    def test_a_hit_raises_the_priority_of_a_shared_prefix(self):
+        if self.eviction != "priority":
+            pytest.skip("an order test of the priority policy")
+        b, bs = self.backend(6), self.block_size
+        shared = tokens(2 * bs, start=100)
+        Request(b, shared + [1]).finish()
+        Request(b, tokens(2 * bs, start=500)).finish()
+        Request(b, shared + [2], priority=3).finish()   # a paid request reuses the prefix
+        Request(b, tokens(2 * bs, start=900)).finish()
+        assert b.allocate(4) is not None
+        assert len(b.match(make_key(shared, bs))) == 2
 
     def test_a_prefix_is_evicted_from_its_tail(self):
         b, bs = self.backend(3), self.block_size

@@ -4,7 +4,7 @@ import pytest
 from corekv.plugin import make_plugin_manager
 from corekv.testing import BackendTests
 from corekv.testing.backend import Request, make_key, tokens
-from corekv_example_plugins.lfu_blocks import FrequencyQueue, LFUBlockBackend
+from corekv_example_plugins.lfu_blocks import CappedLFU, LFUBlockBackend
 
 
 class TestLFUBlocksConformance(BackendTests):
@@ -37,7 +37,7 @@ def test_lru_breaks_ties_and_a_reallocated_block_starts_from_zero_hits():
     b = LFUBlockBackend(4, bs)
     Request(b, tokens(bs + 1, start=100)).finish()
     Request(b, tokens(bs + 1, start=200)).finish()
-    queue = list(b._lru)
+    queue = [b.match(make_key(tokens(bs, start=s), bs))[0] for s in (100, 200)]  # release order
     assert all(b.hit_count(i) == 0 for i in queue)
     reused = b.allocate(3)  # two uncached blocks, then the oldest cached one
     assert reused[-1] == queue[0]
@@ -53,18 +53,13 @@ def test_hit_counts_stop_at_the_cap():
     assert b.hit_count(b.match(make_key(tokens(bs), bs))[0]) == 2
 
 
-def test_frequency_queue_pops_fewest_hits_then_oldest():
-    hits = [3, 0, 1, 0]
-    q = FrequencyQueue(hits, frequency_cap=8)
-    for b in (0, 1, 2, 3):
-        q[b] = None
-    assert list(q) == [1, 3, 2, 0] and len(q) == 4
-    q.move_to_end(3, last=False)
-    assert q.popitem(last=False) == (3, None)
-    del q[1]
-    assert q.popitem(last=True) == (0, None) and list(q) == [2]
-    with pytest.raises(KeyError):
-        del q[1]
+def test_the_policy_orders_by_capped_hits_then_recency():
+    from corekv.eviction import EntryStats
+
+    policy = CappedLFU(frequency_cap=2)
+    entries = [EntryStats(last_access=t, num_hits=h) for t, h in ((1, 5), (2, 0), (3, 2), (4, 0))]
+    order = sorted(range(4), key=lambda i: policy.key(entries[i]))
+    assert order == [1, 3, 0, 2]   # 0 hits first; 5 hits counts as 2, so recency decides
 
 
 @pytest.mark.parametrize("cap", [0, -1, 1.5, True])
