@@ -166,3 +166,15 @@ def test_skipped_blocks_are_counted_by_tier_and_by_reason():
     assert stats["skipped_blocks"] == 4
     assert stats["skipped_blocks_by_tier"] == {"host": 1, "remote": 3}
     assert stats["skipped_by_reason"] == {"slower_than_recompute": 3, "after_a_skipped_run": 1}
+
+
+def test_the_prefill_rate_is_a_steps_marginal_cost_not_its_fixed_one():
+    """Steps cost 100 ms plus 0.1 ms a token: a 1K-token prefix costs 0.1 s to recompute, not
+    the 6 ms a token that 16-token steps take on average."""
+    cost = ReloadCost(["remote"], BLOCK, policy="cost", min_samples=4)
+    for num_tokens in (16, 1040, 16, 16, 1040, 16):
+        cost.observe_step(num_tokens, 0.100 + num_tokens * 1e-4)
+    assert cost.stats()["prefill_s_per_token"] == pytest.approx(1e-4)
+    for _ in range(4):
+        cost.observe_load(0, 64, 64 * 0.005)  # 5 ms a block against 1.6 ms to recompute one
+    assert cost.num_blocks_to_load([TierRun(0, 64)]) == 0

@@ -6,11 +6,15 @@ engine runs, what each costs:
 
 - per tier, **seconds per block loaded**: the tier reads (and, at admission, the copies into the
   pool) the reloader times on every load, on the prefetch thread and the engine's;
-- the engine's **prefill seconds per token**: from its steps of at least ``block_size`` tokens
-  (the step's time over its tokens, so a step's fixed cost is counted as recompute's: the
-  estimate leans towards reloading).
+- the engine's **prefill seconds per token**: from its steps of at least ``block_size`` tokens,
+  the slope of seconds over tokens (a weighted least-squares line): what a token adds to a step
+  beyond the step's fixed cost, which a request whose suffix runs anyway pays either way. NOTE:
+  the step's time over its tokens (before) made short steps count their fixed cost as recompute's;
+  with the tiny model a 16-token suffix step read 10 ms a token against 0.2 ms in a 1K-token
+  step, and an S3 tier four times slower than recompute was loaded (BENCHMARKS.md, "Reload or
+  recompute on five tiers"). Steps all of one size give no slope: then the ratio stands in.
 
-Both are exponentially weighted means (recent samples count ``weight``), used once they have
+Both are exponentially weighted (recent samples count ``weight``), used once they have
 ``min_samples`` samples. With ``policy: cost`` a lookup's tier runs (leading blocks, tier by
 tier) are loaded up to the cut that saves the most expected time, each block saving
 ``prefill s/token * block_size - tier s/block``: a slow tier's run is recomputed, and so is
@@ -64,6 +68,38 @@ class _Mean:
         self.value += (sample - self.value) * max(weight, 1.0 / self.num_samples)
 
 
+class _Line:
+    """Exponentially weighted least squares of ``y = a + b x`` (weights as :class:`_Mean`'s).
+
+    :meth:`slope` is the marginal ``y`` per ``x``: a step's seconds per token *beyond* its fixed
+    cost, which is what recomputing a prefix's tokens adds to a request that runs its suffix's
+    step anyway. Steps of one size only (no spread in ``x``) give no slope; then the ratio of
+    means (``y`` per ``x``, fixed cost included) stands in, as does any slope not in
+    ``(0, ratio]`` (noise: a negative fixed cost is not a cost)."""
+
+    __slots__ = ("num_samples", "mean_x", "mean_y", "mean_xx", "mean_xy")
+
+    def __init__(self) -> None:
+        self.num_samples = 0
+        self.mean_x = self.mean_y = self.mean_xx = self.mean_xy = 0.0
+
+    def add(self, x: float, y: float, weight: float) -> None:
+        self.num_samples += 1
+        w = max(weight, 1.0 / self.num_samples)
+        self.mean_x += (x - self.mean_x) * w
+        self.mean_y += (y - self.mean_y) * w
+        self.mean_xx += (x * x - self.mean_xx) * w
+        self.mean_xy += (x * y - self.mean_xy) * w
+
+    def slope(self) -> float:
+        ratio = self.mean_y / self.mean_x
+        spread = self.mean_xx - self.mean_x ** 2
+        if spread <= (0.05 * self.mean_x) ** 2:
+            return ratio
+        slope = (self.mean_xy - self.mean_x * self.mean_y) / spread
+        return slope if 0.0 < slope <= ratio else ratio
+
+
 class ReloadCost:
     """Measured load and prefill costs, and the per-request decision (see the module docstring).
 
@@ -92,7 +128,7 @@ class ReloadCost:
         self._loads = [_Mean() for _ in self.tier_names]
         self._latency_s = [0.0] * len(self.tier_names)  # per call, from the measurement at open
         self._is_seeded = [False] * len(self.tier_names)
-        self._prefill = _Mean()
+        self._prefill = _Line()  # tokens -> seconds of the engine's steps
         self._num_skips = [0] * len(self.tier_names)  # decisions that skipped the tier since it last loaded
         #: skipped_blocks (held by a tier, recomputed: cheaper), probes (skipped tiers loaded again)
         self.counters: Counter = Counter()
@@ -123,7 +159,7 @@ class ReloadCost:
         their fixed cost would dominate)."""
         if num_tokens >= self.block_size:
             with self._lock:
-                self._prefill.add(seconds / num_tokens, self.weight)
+                self._prefill.add(num_tokens, seconds, self.weight)
 
     # -- decisions ---------------------------------------------------------------------------
     def limit(self, start: int, stop: int) -> int:
@@ -146,7 +182,7 @@ class ReloadCost:
         with self._lock:
             out = {name: self.counters[name] for name in ("skipped_blocks", "probes")}
             out["policy"] = self.policy
-            out["prefill_s_per_token"] = self._estimate(self._prefill)
+            out["prefill_s_per_token"] = self._prefill_estimate()
             out["load_s_per_block"] = {name: self._estimate(m) for name, m in zip(self.tier_names, self._loads)}
             out["load_latency_s"] = dict(zip(self.tier_names, self._latency_s))
             out["seeded"] = [name for name, is_seeded in zip(self.tier_names, self._is_seeded) if is_seeded]
@@ -158,10 +194,13 @@ class ReloadCost:
     def _estimate(self, mean: _Mean) -> float | None:
         return mean.value if mean.num_samples >= self.min_samples else None
 
+    def _prefill_estimate(self) -> float | None:
+        return self._prefill.slope() if self._prefill.num_samples >= self.min_samples else None
+
     def _best_cut(self, runs: Sequence[TierRun], count: bool) -> int:
         """The cut (a run boundary) that saves the most expected time; with ``count``, a tier
         skipped ``probe_every`` times counts as unmeasured once (a probe)."""
-        per_token = self._estimate(self._prefill)
+        per_token = self._prefill_estimate()
         if per_token is None:
             return sum(run.num_blocks for run in runs)
         recompute_s = per_token * self.block_size  # one block's tokens
