@@ -248,6 +248,23 @@ def test_run_times_the_peer_and_kills_what_it_left_running(tmp_path):
     assert not _is_running(grandchild), "the peer's leftover process survived runner.run"
 
 
+def test_process_tree_names_and_accounts_for_every_process_of_a_peer():
+    code = "import subprocess, sys, time; subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)']); " \
+           "print('up', flush=True); sum(range(3_000_000)); time.sleep(60)"
+    proc = runner.start([sys.executable, "-c", code], env=runner.peer_env(preload=None), stdout=subprocess.PIPE,
+                        text=True)
+    try:
+        assert proc.stdout.readline().strip() == "up"
+        before = {pid: dict(row, cpu_s=0.0) for pid, row in runner.process_tree({proc.pid: "peer"}).items()}
+        tree = runner.process_tree({proc.pid: "peer"})
+    finally:
+        runner.stop(proc)
+    names = sorted(row["name"] for row in tree.values())
+    assert names[0] == "peer" and len(names) == 2 and names[1].startswith("peer/python"), names
+    assert all(row["peak_rss"] > 0 for row in tree.values())
+    assert runner.cpu_delta(before, tree)["peer"] > 0
+
+
 def test_run_past_its_timeout_answers_none():
     finished = runner.run([sys.executable, "-c", "import time; time.sleep(60)"], env=runner.peer_env(preload=None),
                           timeout_s=0.5)

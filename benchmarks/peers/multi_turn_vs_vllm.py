@@ -183,18 +183,7 @@ class VllmPeer:
 
     def cpu_seconds(self) -> float:
         """CPU seconds used so far by the child and all its processes (to show it idles)."""
-        import psutil
-
-        procs = [psutil.Process(self.proc.pid)]
-        procs += procs[0].children(recursive=True)
-        total = 0.0
-        for p in procs:
-            try:
-                t = p.cpu_times()
-                total += t.user + t.system
-            except psutil.Error:
-                continue
-        return total
+        return sum(row["cpu_s"] for row in runner.process_tree({self.proc.pid: "vllm"}).values())
 
     def close(self) -> None:
         if self.proc.poll() is None:
@@ -349,21 +338,6 @@ def plot(rows: list[dict], out_png: str, title: str) -> None:
     plt.close(fig)
 
 
-def cpu_flags() -> str:
-    """The CPU's vendor, model and the vector flags the kernels care about."""
-    info = {}
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            key, _, value = line.partition(":")
-            info.setdefault(key.strip(), value.strip())
-    except OSError:
-        return "unknown CPU"
-    flags = set(info.get("flags", "").split())
-    have = [f for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile") if f in flags]
-    return f"{info.get('vendor_id', '?')} {info.get('model name', '?')} (family {info.get('cpu family', '?')}), " \
-           f"{os.cpu_count()} CPUs, flags: {', '.join(have) or 'none of avx2/avx512f/amx'}"
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--conversations", type=int, default=32)
@@ -438,7 +412,7 @@ def main() -> None:
     block_bytes = model.hf_config.num_hidden_layers * 2 * model.hf_config.num_key_value_heads * BLOCK * \
         (model.hf_config.hidden_size // model.hf_config.num_attention_heads) * 4
     prompt_tokens = sum(len(p) for t in turns for p in t)
-    env = dict(cpu=cpu_flags(), torch=torch.__version__, python=sys.version.split()[0],
+    env = dict(cpu=runner.cpu_description(), torch=torch.__version__, python=sys.version.split()[0],
                start=time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()), load_start=os.getloadavg(),
                conversations=args.conversations, turns=args.turns, max_tokens=args.max_tokens,
                document_tokens=args.document_tokens,

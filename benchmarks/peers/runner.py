@@ -1,6 +1,7 @@
 """Peer processes: the one place the harnesses in ``benchmarks/peers/`` start a peer (vLLM, an
-LMCache server, a helper server) in its own venv with the environment it needs, time it, and stop
-it with everything it started.
+LMCache server, a helper server) in its own venv with the environment it needs, time it (wall
+time of a run; CPU seconds and peak RSS of its process tree), and stop it with everything it
+started.
 
 A harness's flow: the driver builds the token ids once (``benchmarks/workloads/``) and hands them
 to the peer as JSON; the peer runs the harness's own ``--child`` mode under the peer's Python,
@@ -177,6 +178,49 @@ class ChildRuns:
             status = "timeout" if done.returncode is None else done.returncode
             raise RuntimeError(f"peer process {tag} failed ({status}); log {log}:\n{text[-5000:]}")
         return ChildResult(json.loads(out.read_text()), text, folder)
+
+
+# -- what a peer's processes used ----------------------------------------------------------------
+def process_tree(roots: dict[int, str]) -> dict[str, dict]:
+    """``{pid: {name, cpu_s, peak_rss}}`` for every process under ``roots`` (pid -> label): CPU
+    seconds (user + system) so far and peak RSS (``VmHWM``, bytes); a process is named by its
+    root's label, its descendants ``label/name``."""
+    import psutil
+
+    out = {}
+    for root, label in roots.items():
+        try:
+            top = psutil.Process(root)
+            procs = [top, *top.children(recursive=True)]
+        except psutil.Error:
+            continue
+        for p in procs:
+            try:
+                times = p.cpu_times()
+                name = label if p.pid == root else f"{label}/{p.name()}"
+                out[str(p.pid)] = {"name": name, "cpu_s": times.user + times.system, "peak_rss": _vm_hwm(p.pid)}
+            except psutil.Error:
+                continue
+    return out
+
+
+def cpu_delta(before: dict, after: dict) -> dict[str, float]:
+    """CPU seconds each process (by name, same names summed) spent between two :func:`process_tree`."""
+    out: dict[str, float] = {}
+    for pid, row in after.items():
+        used = row["cpu_s"] - before.get(pid, {}).get("cpu_s", 0.0)
+        out[row["name"]] = out.get(row["name"], 0.0) + used
+    return out
+
+
+def _vm_hwm(pid: int) -> int:
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
 
 
 # -- helpers for peers that serve ----------------------------------------------------------------

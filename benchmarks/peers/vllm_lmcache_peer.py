@@ -96,46 +96,6 @@ VLLM_COUNTERS = ("vllm:prefix_cache_queries", "vllm:prefix_cache_hits", "vllm:ex
 
 
 # ============================================================================ the vLLM process
-def proc_tree(roots: dict[int, str]) -> dict[str, dict]:
-    """``{pid: {name, cpu_s, peak_rss}}`` for every process under ``roots`` (pid -> label)."""
-    import psutil
-
-    out = {}
-    for root, label in roots.items():
-        try:
-            top = psutil.Process(root)
-            procs = [top, *top.children(recursive=True)]
-        except psutil.Error:
-            continue
-        for p in procs:
-            try:
-                times = p.cpu_times()
-                name = label if p.pid == root else f"{label}/{p.name()}"
-                out[str(p.pid)] = {"name": name, "cpu_s": times.user + times.system, "peak_rss": _vm_hwm(p.pid)}
-            except psutil.Error:
-                continue
-    return out
-
-
-def _vm_hwm(pid: int) -> int:
-    try:
-        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 0
-
-
-def cpu_delta(before: dict, after: dict) -> dict[str, float]:
-    """CPU seconds each process (by name, same names summed) spent between two :func:`proc_tree`."""
-    out: dict[str, float] = {}
-    for pid, row in after.items():
-        used = row["cpu_s"] - before.get(pid, {}).get("cpu_s", 0.0)
-        out[row["name"]] = out.get(row["name"], 0.0) + used
-    return out
-
-
 def lmcache_metrics(url: str | None) -> dict[str, float]:
     """The LMCache server's ``lmcache_mp_*_total`` counters (summed over labels); {} without one."""
     if not url:
@@ -250,17 +210,17 @@ def child(spec_path: str, out_path: str) -> None:
         if phase["kind"] == "settle":
             time.sleep(phase["seconds"])
             continue
-        tree0, vllm0, lmc0 = proc_tree(roots), vllm_counters(llm), lmcache_metrics(spec.get("lmcache_metrics"))
+        tree0, vllm0, lmc0 = runner.process_tree(roots), vllm_counters(llm), lmcache_metrics(spec.get("lmcache_metrics"))
         t0 = time.perf_counter()
         records = run_sessions(llm, phase["sessions"], phase["names"], phase["concurrency"], phase["max_tokens"])
         wall = time.perf_counter() - t0
-        tree1, vllm1, lmc1 = proc_tree(roots), vllm_counters(llm), lmcache_metrics(spec.get("lmcache_metrics"))
+        tree1, vllm1, lmc1 = runner.process_tree(roots), vllm_counters(llm), lmcache_metrics(spec.get("lmcache_metrics"))
         phases.append({"name": phase["name"], "wall_s": wall, "requests": records,
-                       "cpu_s": cpu_delta(tree0, tree1),
+                       "cpu_s": runner.cpu_delta(tree0, tree1),
                        "vllm_counters": {k: vllm1.get(k, 0.0) - vllm0.get(k, 0.0) for k in vllm1},
                        "lmcache_counters": {k: lmc1.get(k, 0.0) - lmc0.get(k, 0.0) for k in lmc1}})
         print(f"[{spec['tag']}] {phase['name']}: {len(records)} requests in {wall:.1f} s", file=sys.stderr, flush=True)
-    tree = proc_tree(roots)
+    tree = runner.process_tree(roots)
     Path(out_path).write_text(json.dumps({
         "init_s": init_s, "phases": phases, "processes": tree, "num_gpu_blocks": cache.num_gpu_blocks,
         "block_size": cache.block_size, "enable_prefix_caching": cache.enable_prefix_caching}))
@@ -349,7 +309,7 @@ class LMCacheServer:
         return {str(p): _du(p) for p in Path("/dev/shm").glob(f"*{self.shm_name}*")}
 
     def close(self) -> dict:
-        tree = proc_tree({self.proc.pid: "lmcache-server"})
+        tree = runner.process_tree({self.proc.pid: "lmcache-server"})
         runner.stop(self.proc, grace_s=20)
         remove_paths([f"/dev/shm/{self.shm_name}"])
         return tree
