@@ -14,8 +14,11 @@ spinning thread burns the time slice its descheduled sibling needs, and a reques
 (BENCHMARKS.md, "A shared CPU"). OpenMP reads the variable once, when its runtime starts (on
 ``import torch``), so it is set on ``import corekv``, before torch loads, and taken out of the
 environment again when an engine starts (torch has read it by then), so processes started later
-inherit the user's environment, not corekv's choice. Where torch was imported first the engine
-logs so once and the threads keep their spin.
+inherit the user's environment, not corekv's choice. Where torch was imported first the
+process is another's (vLLM's, with corekv's connector in it) or the user's script: the policy is
+not set at all, since it could no longer reach this process's OpenMP, only the processes it starts
+(vLLM's workers), whose threads are their host's to tune; an engine then logs so once and its
+threads keep their spin.
 """
 from __future__ import annotations
 
@@ -39,8 +42,9 @@ def prefer_passive_wait() -> None:
     global _torch_was_first, _is_policy_ours
     if "OMP_WAIT_POLICY" not in os.environ and "GOMP_SPINCOUNT" not in os.environ:
         _torch_was_first = "torch" in sys.modules
-        _is_policy_ours = True
-        os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
+        if not _torch_was_first:
+            _is_policy_ours = True
+            os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
 
 
 def is_passive_wait_corekvs() -> bool:

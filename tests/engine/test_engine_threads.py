@@ -59,6 +59,15 @@ def test_import_corekv_before_torch_makes_openmp_wait_passively():
     assert spin_count(late.stderr) == "300000", late.stderr[-2000:]
 
 
+def test_corekv_imported_after_torch_leaves_the_environment_to_its_host():
+    """In a process that loaded torch first (vLLM's, with corekv's connector imported into it)
+    corekv sets no wait policy: the processes that one starts (vLLM's workers) keep their host's."""
+    out = run_python("import os, torch, corekv; print('ENV', os.environ.get('OMP_WAIT_POLICY'))")
+    assert "ENV None" in out.stdout, out.stdout + out.stderr[-2000:]
+    first = run_python("import os, corekv, torch; print('ENV', os.environ.get('OMP_WAIT_POLICY'))")
+    assert "ENV PASSIVE" in first.stdout, first.stdout + first.stderr[-2000:]
+
+
 @pytest.mark.parametrize("env, expected", [({"OMP_WAIT_POLICY": "ACTIVE"}, "30000000000"),
                                            ({"GOMP_SPINCOUNT": "1000"}, "1000")])
 def test_a_wait_policy_the_user_set_is_kept(env, expected):
