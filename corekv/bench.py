@@ -58,23 +58,34 @@ def seed_workloads() -> dict[str, list[list[int]]]:
 
 
 def make_backend(backend: str | Callable[..., PrefixCacheBackend], num_blocks: int,
-                 block_size: int) -> PrefixCacheBackend:
+                 block_size: int, eviction: str | None = None) -> PrefixCacheBackend:
     """Build a backend by the name a plugin registers it under (builtin or third-party, through
-    the plugin manager like the engine does) or from a factory."""
+    the plugin manager like the engine does) or from a factory.
+
+    :param eviction: a registered eviction policy's name, for a backend that declares an
+        ``eviction`` option (a factory gets it as ``eviction=``); ``None``: the backend's default.
+    """
     if callable(backend):
-        return backend(num_blocks, block_size)
+        return backend(num_blocks, block_size, **({} if eviction is None else {"eviction": eviction}))
+    from corekv.eviction import resolve_policy_options
     from corekv.plugin import make_plugin_manager
-    specs = make_plugin_manager().backends()
+    manager = make_plugin_manager()
+    specs = manager.backends()
     if backend not in specs:
         raise ValueError(f"backend {backend!r} is not registered; expected one of {sorted(specs)} "
                          "(install or list the plugin that provides it)")
     spec = specs[backend]
     options = {k: v for k, v in _SIMULATION_OPTIONS.items() if k in spec.options}
+    if eviction is not None:
+        if "eviction" not in spec.options:
+            raise ValueError(f"backend {backend!r} takes no eviction policy (it declares no "
+                             "'eviction' option); leave eviction out for it")
+        options = resolve_policy_options(spec.options, {**options, "eviction": eviction}, manager)
     return spec.factory(num_blocks, block_size, **options)
 
 
 def hit_rate(requests: Sequence[Sequence[int]], backend: str | Callable[..., PrefixCacheBackend] = "radix",
-             block_size: int = 16, capacity: int | None = None) -> float:
+             block_size: int = 16, capacity: int | None = None, eviction: str | None = None) -> float:
     """Fraction of all request tokens served from the cache, requests processed in order.
 
     For each request: hits += the cached prefix of ``req[:-1]`` (whole blocks: the last token is
@@ -86,6 +97,7 @@ def hit_rate(requests: Sequence[Sequence[int]], backend: str | Callable[..., Pre
         ``(num_blocks, block_size) -> PrefixCacheBackend``.
     :param capacity: device pool size in tokens (``capacity // block_size`` blocks);
         ``None``: room for every request, so nothing is ever evicted.
+    :param eviction: the backend's eviction policy by name (``"lfu"``); ``None``: its default (LRU).
     """
     if isinstance(requests, (str, bytes)) or not isinstance(requests, Sequence):
         raise TypeError(f"requests must be a list of token-id lists, got {type(requests).__name__}")
@@ -101,7 +113,7 @@ def hit_rate(requests: Sequence[Sequence[int]], backend: str | Callable[..., Pre
                          f"({block_size}), got {capacity!r}")
     else:
         num_blocks = capacity // block_size
-    cache = make_backend(backend, num_blocks, block_size)
+    cache = make_backend(backend, num_blocks, block_size, eviction)
     namespace = chain_seed("corekv-bench", block_size)
     hits = total = 0
     for req in requests:
@@ -118,24 +130,32 @@ def hit_rate(requests: Sequence[Sequence[int]], backend: str | Callable[..., Pre
 
 
 def hit_rate_table(workloads: Mapping[str, Sequence[Sequence[int]]] | None = None,
-                   capacity: int | None = None) -> list[dict[str, object]]:
+                   capacity: int | None = None, eviction: str | None = None) -> list[dict[str, object]]:
     """One row per workload: ``{"workload": name, "radix": r, "blocks 16": b16, "blocks 64": b64}``
-    (fractions), the radix tree at token granularity (page 1). Defaults to ``seed_workloads()``."""
+    (fractions), the radix tree at token granularity (page 1). Defaults to ``seed_workloads()``.
+    With ``eviction`` (a policy's name) every backend evicts by it and each row also has
+    ``"eviction": eviction``."""
     workloads = seed_workloads() if workloads is None else workloads
+    policy = {} if eviction is None else {"eviction": eviction}
     return [
-        {"workload": name, **{label: hit_rate(reqs, backend, size, capacity)
-                              for label, backend, size in TABLE_COLUMNS}}
+        {"workload": name, **policy, **{label: hit_rate(reqs, backend, size, capacity, eviction)
+                                        for label, backend, size in TABLE_COLUMNS}}
         for name, reqs in workloads.items()
     ]
+
+
+def row_label(row: Mapping[str, object]) -> str:
+    """A row's name in tables and plots: the workload, with its eviction policy when it has one."""
+    return f"{row['workload']} ({row['eviction']})" if "eviction" in row else str(row["workload"])
 
 
 def format_table(rows: Sequence[Mapping[str, object]]) -> str:
     """The table as text, percentages with one decimal (like the seed chapter)."""
     if not rows:
         return ""
-    labels = [k for k in rows[0] if k != "workload"]
-    width = max(len("workload"), *(len(str(r["workload"])) for r in rows))
+    labels = [k for k in rows[0] if k not in ("workload", "eviction")]
+    width = max(len("workload"), *(len(row_label(r)) for r in rows))
     lines = [f"{'workload':<{width}}" + "".join(f"{label:>11}" for label in labels)]
     for row in rows:
-        lines.append(f"{row['workload']:<{width}}" + "".join(f"{row[label]:>11.1%}" for label in labels))
+        lines.append(f"{row_label(row):<{width}}" + "".join(f"{row[label]:>11.1%}" for label in labels))
     return "\n".join(lines)

@@ -78,7 +78,8 @@ def plot_hit_rate(rows: Sequence[Mapping[str, Any]], out_png: str | os.PathLike)
         if published:
             ax.scatter([x for x, _ in published], [v for _, v in published], marker="_", s=300,
                        color="black", zorder=3, label="seed (published)" if j == 0 else None)
-    ax.set_xticks(range(len(rows)), [str(r["workload"]) for r in rows])
+    ax.set_xticks(range(len(rows)), [f"{r['workload']}\n{r['eviction']}" if "eviction" in r
+                                     else str(r["workload"]) for r in rows])
     ax.set_ylabel("prompt tokens served from cache (%)")
     ax.set_ylim(0, 100)
     ax.set_title("Prefix hit rate per workload (index-only simulation)")

@@ -224,13 +224,16 @@ class Engine:
 
     def add_request(self, prompt: Any, sampling_params: SamplingParams | None = None,
                     cache_salt: str | None = None, *, request_id: str | None = None,
-                    offload: bool = True, prompt_token_ids: list[int] | None = None) -> str:
+                    offload: bool = True, prompt_token_ids: list[int] | None = None,
+                    priority: int = 0) -> str:
         """Queue one request (``step`` returns its output when done); returns its id.
 
         :param offload: False keeps this request's blocks off the storage tiers (it still reads
             them); e.g. a one-off prompt that should not displace shared prefixes on disk.
         :param prompt_token_ids: ``prompt`` already encoded by :meth:`encode` (e.g. on another
             thread, so a long prompt does not hold up the steps); ``prompt`` is kept for the output.
+        :param priority: the request's eviction priority: under the ``priority`` eviction policy
+            the prefixes it caches or hits are kept over those of lower priorities.
 
         :raises RequestRejectedError: if it could never be served (too long for the KV pool, the
             model's context, or — without chunked prefill — one step's token budget).
@@ -239,7 +242,7 @@ class Engine:
             prompt_token_ids = self.model.encode_prompt(prompt_token_ids)
         request = self._make_request(prompt, sampling_params, cache_salt, request_id, offload=offload,
                                      prompt_token_ids=prompt_token_ids)
-        self._enqueue(request, cache_salt)
+        self._enqueue(request, cache_salt, _checked_priority(priority))
         return request.request_id
 
     def abort(self, request_id: str) -> None:
@@ -253,7 +256,7 @@ class Engine:
     # -- the calls most users make ----------------------------------------------------------
     def generate(self, prompts: Any, sampling_params: SamplingParams | list | None = None,
                  cache_salt: str | list | None = None, *, use_tqdm: bool | None = None,
-                 offload: bool | list = True) -> list[RequestOutput]:
+                 offload: bool | list = True, priority: int | list = 0) -> list[RequestOutput]:
         """Run prompts to completion, batched; returns one :class:`RequestOutput` per prompt, in order.
 
         :param prompts: a str, token ids (``list[int]``), chat messages (``[{"role", "content"}]``,
@@ -266,6 +269,8 @@ class Engine:
         :param use_tqdm: show a progress bar; default: only when stderr is a terminal.
         :param offload: False keeps the prompts' blocks off the storage tiers (per-request
             opt-out; they still reload what the tiers hold); one bool for all or one per prompt.
+        :param priority: eviction priority (an int, higher is kept longer under the ``priority``
+            eviction policy; 0 by default), one for all prompts or one per prompt.
         """
         prompt_list = as_prompt_list(prompts)
         params_list = per_prompt("sampling_params", sampling_params, len(prompt_list), SamplingParams)
@@ -273,11 +278,12 @@ class Engine:
         # one reads as at every other verb (check_cache_salt)
         salts = per_prompt("cache_salt", cache_salt, len(prompt_list), object)
         offloads = per_prompt("offload", offload, len(prompt_list), bool)
+        priorities = [_checked_priority(p) for p in per_prompt("priority", priority, len(prompt_list), int)]
         # NOTE: every prompt is checked before any is queued, so a bad one leaves the engine idle.
         requests = [self._make_request(p, sp, salt, None, offload=o)
                     for p, sp, salt, o in zip(prompt_list, params_list, salts, offloads)]
-        for request, salt in zip(requests, salts):
-            self._enqueue(request, salt)
+        for request, salt, prio in zip(requests, salts, priorities):
+            self._enqueue(request, salt, prio)
         outputs: dict[str, RequestOutput] = {}
         wanted = {r.request_id for r in requests}
         bar = _progress_bar(len(requests), use_tqdm)
@@ -327,15 +333,18 @@ class Engine:
                            "add_request returned, before step() returns its output")
         return TextStream(request)
 
-    def warm(self, prompt: Any, pin: bool = True, cache_salt: str | None = None) -> int:
+    def warm(self, prompt: Any, pin: bool = True, cache_salt: str | None = None, priority: int = 0) -> int:
         """Compute ``prompt``'s KV and keep its full blocks cached (and pinned when ``pin``).
 
         Chat messages are rendered without the assistant prompt, as the prefix of a later
         conversation. Returns the number of prompt tokens now cached (pinned, when ``pin``): whole
         blocks only, so a prompt shorter than one block (``engine.block_size`` tokens) keeps nothing,
         returns 0 and logs a warning saying so.
+        ``priority`` is the eviction priority its blocks take (what keeps them once unpinned, or
+        unpinned from the start, under the ``priority`` eviction policy).
         :raises PinLimitError: if pinning would exceed ``cache.max_pinned_fraction`` of the pool.
         """
+        priority = _checked_priority(priority)
         if not self.config.engine.enable_prefix_caching:
             raise CoreKVError("warm() needs engine.enable_prefix_caching: true (nothing is kept otherwise)")
         if not isinstance(pin, bool):
@@ -351,7 +360,7 @@ class Engine:
         request = self._make_request(prompt, SamplingParams(max_tokens=1, temperature=0.0), cache_salt,
                                      None, prompt_token_ids=token_ids)
         request.is_internal = True
-        self._enqueue(request, cache_salt)
+        self._enqueue(request, cache_salt, priority)
         while not request.seqs[0].is_finished:
             self._unclaimed.extend(self._step())
         key = self.prefix_key(token_ids, cache_salt)
@@ -406,10 +415,12 @@ class Engine:
         return spec.factory(num_blocks, self.block_size, max_pinned_fraction=cache.max_pinned_fraction,
                             **options)
 
-    def prefix_key(self, token_ids: list[int], cache_salt: str | None = None) -> PrefixKey:
-        """The :class:`PrefixKey` under which this engine caches ``token_ids`` for ``cache_salt``."""
+    def prefix_key(self, token_ids: list[int], cache_salt: str | None = None,
+                   priority: int = 0) -> PrefixKey:
+        """The :class:`PrefixKey` under which this engine caches ``token_ids`` for ``cache_salt``
+        (``priority``: the eviction priority the cached blocks take)."""
         return PrefixKey(token_ids, self.block_size, self._namespace(cache_salt), self.config.cache.hash,
-                         cache_salt=cache_salt)
+                         cache_salt=cache_salt, priority=priority)
 
     def encode(self, prompt: Any, *, add_generation_prompt: bool = True) -> list[int]:
         """Token ids of a prompt (str, token ids, or chat messages with the chat template).
@@ -449,10 +460,10 @@ class Engine:
                            max_num_seqs=self.config.engine.max_num_seqs)
         return Request(request_id, prompt, token_ids, params, offload=offload)
 
-    def _enqueue(self, request: Request, cache_salt: str | None) -> None:
+    def _enqueue(self, request: Request, cache_salt: str | None, priority: int = 0) -> None:
         params = request.params
         seq = Sequence(request.request_id, request.prompt_token_ids, params,
-                       self.prefix_key(request.prompt_token_ids, cache_salt),
+                       self.prefix_key(request.prompt_token_ids, cache_salt, priority),
                        generator=make_generator(params, 0), detokenizer=self._detokenizer(request))
         seq.offload = request.offload
         request.seqs.append(seq)
@@ -612,6 +623,13 @@ class _NoBar:
 
     def close(self) -> None:
         pass
+
+
+def _checked_priority(priority: Any) -> int:
+    if priority.__class__ is not int:
+        raise TypeError(f"priority must be an int (higher is kept longer under the priority eviction "
+                        f"policy), got {priority!r}")
+    return priority
 
 
 def _progress_bar(total: int, use_tqdm: bool | None):

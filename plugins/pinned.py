@@ -39,7 +39,7 @@ def corekv_on_engine_started(engine: Any) -> None:
     for index, entry in enumerate(engine.config.cache.pinned):
         prompt = pinned_prompt(entry)
         try:
-            num_tokens = engine.warm(prompt, pin=True, cache_salt=entry.salt)
+            num_tokens = engine.warm(prompt, pin=True, cache_salt=entry.salt, priority=entry.priority)
         except Exception as e:
             raise ConfigError(f"cache.pinned[{index}] ({_describe(entry)}) could not be warmed and "
                               f"pinned: {e}") from e

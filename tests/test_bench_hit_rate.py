@@ -87,3 +87,35 @@ def test_importing_bench_and_testing_needs_no_torch():
             "print('torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
+
+
+def test_an_eviction_policy_changes_what_a_bounded_pool_keeps():
+    """few_shot at 1024 tokens: LFU keeps the shared header and examples that a long one-off
+    question pushes out under LRU (BENCHMARKS.md, "Eviction policies")."""
+    reqs = bench.seed_workloads()["few_shot"]
+    lru = bench.hit_rate(reqs, "radix", 1, capacity=1024, eviction="lru")
+    assert lru == bench.hit_rate(reqs, "radix", 1, capacity=1024)   # LRU is the default
+    assert bench.hit_rate(reqs, "radix", 1, capacity=1024, eviction="lfu") > lru
+    # no request carries a priority here, so priority orders as LRU does
+    assert bench.hit_rate(reqs, "hash_blocks", 16, capacity=1024, eviction="priority") == \
+        bench.hit_rate(reqs, "hash_blocks", 16, capacity=1024)
+    rows = bench.hit_rate_table({"few_shot": reqs}, capacity=1024, eviction="lfu")
+    assert rows[0]["eviction"] == "lfu" and bench.format_table(rows).splitlines()[1].startswith("few_shot (lfu)")
+
+
+def test_the_cli_runs_one_row_per_workload_and_policy_and_names_a_bad_policy():
+    import json
+    import subprocess
+    import sys
+
+    def run(*args):
+        return subprocess.run([sys.executable, "-m", "corekv.cli", "bench", "hit-rate", *args],
+                              capture_output=True, text=True, timeout=300)
+
+    result = run("--workloads", "parallel", "--capacity", "2048", "--eviction", "lru,lfu", "--json")
+    assert result.returncode == 0, result.stderr
+    assert [(r["workload"], r["eviction"]) for r in json.loads(result.stdout)] == [
+        ("parallel", "lru"), ("parallel", "lfu")]
+    bad = run("--eviction", "lfru")
+    assert bad.returncode == 2
+    assert "--eviction: got 'lfru'; expected a comma-separated list of registered eviction policies" in bad.stderr

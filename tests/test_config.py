@@ -427,8 +427,8 @@ def test_dump_writes_sizes_with_units_and_omits_redundant_names(pm):
         {"type": "toy_disk", "name": "ssd", "path": "/kv", "size": "1500MB", "sync": True,
          "fill": 0.9, "url": None},
     ]
-    assert data["cache"]["pinned"] == [{"text": "You are helpful.", "salt": "a", "chat": False},
-                                       {"token_ids": [1, 2], "chat": False}]
+    assert data["cache"]["pinned"] == [{"text": "You are helpful.", "salt": "a", "chat": False, "priority": 0},
+                                       {"token_ids": [1, 2], "chat": False, "priority": 0}]
 
 
 def test_reference_has_a_row_per_field_with_help_and_defaults(pm):

@@ -22,11 +22,15 @@ def add_bench_commands(commands, common) -> None:
                                       "backends and print the fraction of tokens served from cache.",
                                       "  corekv bench hit-rate\n"
                                       "  corekv bench hit-rate --workloads multi_turn,parallel\n"
-                                      "  corekv bench hit-rate --capacity 32768 --json\n"))
+                                      "  corekv bench hit-rate --capacity 32768 --json\n"
+                                      "  corekv bench hit-rate --capacity 32768 --eviction lru,lfu,priority\n"))
     p.add_argument("--workloads", metavar="NAMES",
                    help="comma-separated workload names (default: all four)")
     p.add_argument("--capacity", metavar="TOKENS", type=int_at_least(1),
                    help="device pool size in tokens (default: unbounded, nothing evicted)")
+    p.add_argument("--eviction", metavar="POLICIES",
+                   help="comma-separated eviction policies (lru, lfu, priority or a plugin's): one row "
+                        "per workload and policy (default: each backend's default, LRU)")
     p.add_argument("--json", action="store_true", help="print the rows as JSON")
     p.add_argument("--out", metavar="DIR",
                    help="also write DIR/hit_rate.json, DIR/hit_rate.md and (with matplotlib) "
@@ -63,10 +67,23 @@ def cmd_bench_hit_rate(args: argparse.Namespace) -> int:
     if args.capacity is not None and args.capacity < smallest:
         raise UsageError(f"--capacity: got {args.capacity}; expected at least {smallest} tokens "
                          "(one block of the largest block size in the table)")
+    policies: list[str | None] = [None]
+    if args.eviction is not None:
+        from corekv.plugin import make_plugin_manager
+
+        registered = make_plugin_manager().eviction_policies()
+        policies = [n.strip() for n in args.eviction.split(",") if n.strip()] or [args.eviction]
+        for name in policies:
+            if name not in registered:
+                raise UsageError(f"--eviction: got {name!r}; expected a comma-separated list of "
+                                 f"registered eviction policies ({', '.join(sorted(registered))})"
+                                 f"{did_you_mean(name, registered)}")
     workloads = bench.seed_workloads() if workloads is None else workloads
     # NOTE: one workload at a time, so a progress bar can tick (the table is per workload anyway)
     rows = [row for name in progress(list(workloads), "hit-rate", unit="workload")
-            for row in bench.hit_rate_table({name: workloads[name]}, capacity=args.capacity)]
+            for policy in policies
+            for row in bench.hit_rate_table({name: workloads[name]}, capacity=args.capacity,
+                                            eviction=policy)]
     print(json.dumps(rows, indent=2) if args.json else bench.format_table(rows))
     if args.out is not None:
         _write_hit_rate_results(rows, args.out)

@@ -110,6 +110,8 @@ class PinnedPrefix:
     token_ids: tuple[int, ...] | None = _field(None, "the prefix as token ids", minimum=0)
     salt: str | None = _field(None, "the cache_salt (tenant) the prefix is pinned for")
     chat: bool = _field(False, "apply the model's chat template (as a system message) to text")
+    priority: int = _field(0, "eviction priority of its blocks under the priority eviction policy "
+                           "(higher is kept longer; what keeps them if it is ever unpinned)")
 
 
 @dataclass(frozen=True)
