@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 
 from corekv.backend import EvictedBlock
 from corekv.offload import Offload
+from corekv.offload.admission import AdmissionPolicy, AdmitAll, MinHits
 from corekv.offload.planner import OffloadPlanner
 from corekv.tiers.host import HostTier
 from corekv.tiers.lmdb import LMDBTier
@@ -91,6 +92,38 @@ def test_the_planner_admits_blocks_after_n_device_hits_and_forgets_evicted_ones(
     planner.forget([a])
     assert planner.qualifying([a, b, c]) == []
     assert OffloadPlanner().qualifying([a, b]) == [0, 1] and OffloadPlanner().count_hits([a]) == []
+
+
+class EveryOtherBlock(AdmissionPolicy):
+    """A third-party rule: only even positions of a chain go to the tiers."""
+
+    name = "every_other"
+
+    def admitted(self, hashes):
+        return list(range(0, len(hashes), 2))
+
+
+def test_the_admission_seam_builds_the_builtin_rule_and_takes_any_policy():
+    assert isinstance(OffloadPlanner().admission, AdmitAll)
+    builtin = OffloadPlanner(offload_min_hits=3).admission
+    assert isinstance(builtin, MinHits) and builtin.min_hits == 3
+    planner = OffloadPlanner(offload_min_hits=3, admission=EveryOtherBlock())
+    hashes = [bytes([i]) * 16 for i in range(5)]
+    assert planner.count_hits(hashes) == [] and planner.hit_counts == {}
+    assert planner.qualifying(hashes) == [0, 2, 4]
+    planner.forget(hashes)
+    planner.reset()
+
+
+def test_an_admission_policy_decides_what_the_offload_facade_writes():
+    pool = make_pool()
+    host = HostTier(size=8 * 4096, **tier_kwargs(pool))
+    manager = Offload([host], pool, admission=EveryOtherBlock())
+    key = make_key(4)
+    manager.evicted([EvictedBlock(h, b) for h, b in zip(key.block_hashes, [0, 1, 2, 3])])
+    manager.flush()
+    assert [host.contains(h) for h in key.block_hashes] == [True, False, True, False]
+    manager.close()
 
 
 @pytest.mark.parametrize("kwargs, message", [

@@ -29,6 +29,7 @@ from corekv.backend import EvictedBlock
 from corekv.hashing import BlockHash, PrefixKey
 from corekv.offload.cost import ReloadCost
 from corekv.offload.measure import TierMeasurement, measure_tier
+from corekv.offload.admission import AdmissionPolicy
 from corekv.offload.planner import OffloadPlanner
 from corekv.offload.pool_io import snapshot_blocks, write_rows
 from corekv.offload.prefetch import Prefetch, Prefetcher
@@ -69,7 +70,8 @@ class Offload:
     def __init__(self, tiers: Sequence[Tier], kv_pool, *, write_policy: str = "write_back",
                  offload_min_hits: int = 0, queue_blocks: int = 256, hooks=None,
                  prefetch_blocks: int | None = None, swap_tier: int | None = None, backend=None,
-                 on_done: OnDone | None = None, reload_cost: ReloadCost | None = None):
+                 on_done: OnDone | None = None, reload_cost: ReloadCost | None = None,
+                 admission: AdmissionPolicy | None = None):
         """:param prefetch_blocks: blocks prefetches may stage in host memory at once (None: as
             many as the device pool holds; 0: no prefetch, admission loads synchronously).
         :param swap_tier: index of the tier swap preemption parks blocks in (None: no swap).
@@ -79,13 +81,15 @@ class Offload:
         :param on_done: told when each offloaded block's write ended (:mod:`.writer`'s ``OnDone``).
         :param reload_cost: decides how many tier hits a request loads (:mod:`.cost`; default:
             all of them); the engine feeds it its step times through :attr:`cost`.
+        :param admission: which cached blocks may go to the tiers (:mod:`.admission`; default:
+            the rule of ``offload_min_hits``).
         :raises ValueError: a backend that cannot report evicted blocks' hashes.
 
         NOTE: the arguments are checked here too although the config reader checked the config's
         values: tests and embedding code (the vLLM connector) build an Offload without a config.
         """
         self.planner = OffloadPlanner(write_policy=write_policy, offload_min_hits=offload_min_hits,
-                                      max_tracked=kv_pool.num_blocks)
+                                      max_tracked=kv_pool.num_blocks, admission=admission)
         if queue_blocks < 1:
             raise ValueError(f"queue_blocks must be >= 1, got {queue_blocks}")
         if prefetch_blocks is None:

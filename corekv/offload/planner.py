@@ -7,7 +7,8 @@ questions of the same object:
 - **write policy**: ``write_through`` offers a block to the tiers when it is cached (filled);
   ``write_back`` when its device slot is about to be reused (corekv's engine) or when its request
   ends (vLLM, which never tells a connector when it reuses a slot);
-- **admission** (``offload_min_hits``): a block qualifies once the device cache served it that
+- **admission**: an :class:`~corekv.offload.admission.AdmissionPolicy` says which blocks qualify;
+  the builtin rule (``offload_min_hits``) admits a block once the device cache served it that
   often while resident, so blocks never re-used stay off the tiers (SSD wear); its count leaves
   with it when it is evicted;
 - **in flight**: a block queued for writing and not yet reported done (stored, skipped or
@@ -15,9 +16,9 @@ questions of the same object:
   recomputing a block that is about to be there; every queued block gets a report, so there is
   no timer.
 
-Invariants: ``hit_counts`` is empty when ``offload_min_hits`` is 0, else it holds at most
-``max_tracked`` blocks, the least recently counted dropped first; ``in_flight`` holds at most
-``max_tracked`` blocks (the oldest dropped first: a lookup then recomputes, never waits forever).
+Invariants: ``in_flight`` holds at most ``max_tracked`` blocks (the oldest dropped first: a
+lookup then recomputes, never waits forever); the admission policy keeps its own (the builtin's:
+``hit_counts`` empty when ``offload_min_hits`` is 0, else at most ``max_tracked`` blocks).
 """
 from __future__ import annotations
 
@@ -25,6 +26,7 @@ from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 
 from corekv.hashing import BlockHash
+from corekv.offload.admission import AdmissionPolicy, make_admission
 
 __all__ = ["OUTCOMES", "OffloadPlanner"]
 
@@ -33,20 +35,20 @@ OUTCOMES = ("stored", "skipped", "failed")
 
 
 class OffloadPlanner:
-    """Write policy, hit counting for ``offload_min_hits``, and writes in flight."""
+    """Write policy, admission (``offload_min_hits`` or an :class:`AdmissionPolicy`), and writes
+    in flight."""
 
-    def __init__(self, *, write_policy: str = "write_back", offload_min_hits: int = 0, max_tracked: int = 1 << 16):
+    def __init__(self, *, write_policy: str = "write_back", offload_min_hits: int = 0, max_tracked: int = 1 << 16,
+                 admission: AdmissionPolicy | None = None):
         if write_policy not in ("write_back", "write_through"):
             raise ValueError(f"write_policy must be 'write_back' or 'write_through', got {write_policy!r}")
-        if isinstance(offload_min_hits, bool) or not isinstance(offload_min_hits, int) or offload_min_hits < 0:
-            raise ValueError(f"offload_min_hits must be an int >= 0, got {offload_min_hits!r}")
         if max_tracked < 1:
             raise ValueError(f"max_tracked must be >= 1, got {max_tracked}")
         self.write_policy = write_policy
         self.offload_min_hits = offload_min_hits
         self.max_tracked = max_tracked
-        #: device hits (and reloads) per resident block, in the order last counted
-        self.hit_counts: dict[BlockHash, int] = {}
+        #: which blocks may go to the tiers; by default the rule of ``offload_min_hits``
+        self.admission = admission if admission is not None else make_admission(offload_min_hits, max_tracked)
         self.in_flight: OrderedDict[BlockHash, None] = OrderedDict()
 
     @property
@@ -54,31 +56,22 @@ class OffloadPlanner:
         return self.write_policy == "write_through"
 
     # -- admission ---------------------------------------------------------------------------
+    @property
+    def hit_counts(self) -> dict[BlockHash, int]:
+        """The builtin rule's counts (empty for a policy that keeps none)."""
+        return getattr(self.admission, "hit_counts", {})
+
     def count_hits(self, hashes: Sequence[BlockHash]) -> list[int]:
-        """One more device hit for each of ``hashes``; the positions whose count reached
-        ``offload_min_hits`` with this hit (they qualify now). Nothing is kept without the rule."""
-        if not self.offload_min_hits:
-            return []
-        counts, reached = self.hit_counts, []
-        for index, h in enumerate(hashes):
-            counts[h] = n = counts.pop(h, 0) + 1  # re-inserted: the dict stays in last-counted order
-            if n == self.offload_min_hits:
-                reached.append(index)
-        while len(counts) > self.max_tracked:
-            del counts[next(iter(counts))]
-        return reached
+        """One more device hit for each of ``hashes``; the positions that qualify by this hit."""
+        return self.admission.hit(hashes)
 
     def qualifying(self, hashes: Sequence[BlockHash]) -> list[int]:
         """Positions of ``hashes`` that may go to the tiers now."""
-        if not self.offload_min_hits:
-            return list(range(len(hashes)))
-        return [i for i, h in enumerate(hashes) if self.hit_counts.get(h, 0) >= self.offload_min_hits]
+        return self.admission.admitted(hashes)
 
     def forget(self, hashes: Iterable[BlockHash]) -> None:
-        """``hashes`` left the device: their counts go with them."""
-        if self.hit_counts:
-            for h in hashes:
-                self.hit_counts.pop(h, None)
+        """``hashes`` left the device: the admission policy forgets them."""
+        self.admission.forget(hashes)
 
     # -- writes in flight --------------------------------------------------------------------
     def queued(self, hashes: Iterable[BlockHash]) -> None:
@@ -99,5 +92,5 @@ class OffloadPlanner:
 
     def reset(self) -> None:
         """Forget every count and every write in flight (vLLM's ``reset_cache``)."""
-        self.hit_counts.clear()
+        self.admission.reset()
         self.in_flight.clear()
