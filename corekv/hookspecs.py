@@ -16,7 +16,7 @@ import pluggy
 
 if TYPE_CHECKING:
     from corekv.backend import BlockEvent
-    from corekv.specs import BackendSpec, ConfigSectionSpec, EvictionPolicySpec, TierSpec
+    from corekv.specs import AdmissionPolicySpec, BackendSpec, ConfigSectionSpec, EvictionPolicySpec, TierSpec
 
 hookspec = pluggy.HookspecMarker("corekv")
 
@@ -60,6 +60,23 @@ def corekv_register_eviction_policies() -> list[EvictionPolicySpec]:
 
     :returns: a list of :class:`corekv.plugin.EvictionPolicySpec`, each naming a policy and its
         factory (no arguments; returns a :class:`corekv.eviction.EvictionPolicy`).
+
+    .. versionadded:: 0.2
+    """
+
+
+@hookspec
+def corekv_register_admission_policies() -> list[AdmissionPolicySpec]:
+    """Register admission policies: which cached blocks are written to the storage tiers.
+
+    ``cache.admission`` names one (``load_config`` checks the name against the policies
+    registered here); the engine builds it with ``factory(offload_min_hits=..., max_tracked=...)``
+    and its offload planner asks it. corekv's ``min_hits`` (the rule of
+    ``cache.offload_min_hits``, the default) is registered through this hook too
+    (:mod:`corekv.plugins.admission`).
+
+    :returns: a list of :class:`corekv.plugin.AdmissionPolicySpec`, each naming a policy and its
+        factory (returns a :class:`corekv.admission.AdmissionPolicy`).
 
     .. versionadded:: 0.2
     """

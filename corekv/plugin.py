@@ -23,7 +23,9 @@ import pluggy
 
 from corekv import hookspecs
 from corekv.errors import PluginError
-from corekv.specs import OPTION_KINDS, BackendSpec, ConfigSectionSpec, EvictionPolicySpec, Option, TierSpec
+from corekv.specs import (
+    OPTION_KINDS, AdmissionPolicySpec, BackendSpec, ConfigSectionSpec, EvictionPolicySpec, Option, TierSpec,
+)
 
 ENTRY_POINT_GROUP = "corekv"
 AUTOLOAD_ENV = "COREKV_DISABLE_PLUGIN_AUTOLOAD"
@@ -33,7 +35,8 @@ hookimpl = pluggy.HookimplMarker("corekv")
 
 #: re-exported: plugins import the spec types from here (``from corekv.plugin import Option, TierSpec``)
 __all__ = [
-    "AUTOLOAD_ENV", "BackendSpec", "ConfigSectionSpec", "ENTRY_POINT_GROUP", "EvictionPolicySpec",
+    "AUTOLOAD_ENV", "AdmissionPolicySpec", "BackendSpec", "ConfigSectionSpec", "ENTRY_POINT_GROUP",
+    "EvictionPolicySpec",
     "OPTION_KINDS", "Option",
     "PluginManager", "TierSpec", "available_plugins", "hook_signature", "hook_signatures", "hookimpl",
     "make_plugin_manager", "option_info",
@@ -90,6 +93,10 @@ class PluginManager:
         """``{policy name: spec}`` of the eviction policies plugins register."""
         return self._collect(self.hook.corekv_register_eviction_policies, "eviction policy")
 
+    def admission_policies(self) -> dict[str, AdmissionPolicySpec]:
+        """``{policy name: spec}`` of the admission policies plugins register."""
+        return self._collect(self.hook.corekv_register_admission_policies, "admission policy")
+
     def config_sections(self) -> dict[str, ConfigSectionSpec]:
         """``{section name: spec}`` of the top-level config sections plugins declare."""
         return self._collect(self.hook.corekv_register_config_sections, "config section")
@@ -129,7 +136,7 @@ class PluginManager:
 
 
 _SPEC_TYPES = {"backend": BackendSpec, "tier": TierSpec, "config section": ConfigSectionSpec,
-               "eviction policy": EvictionPolicySpec}
+               "eviction policy": EvictionPolicySpec, "admission policy": AdmissionPolicySpec}
 #: a section name is also the COREKV_<SECTION>__<KEY> variable's first part (read lowercased)
 _SECTION_NAME = re.compile(r"[a-z][a-z0-9]*(_[a-z0-9]+)*")
 

@@ -103,6 +103,13 @@ class EvictionPolicySpec(_Spec):
 
 
 @dataclass(frozen=True)
+class AdmissionPolicySpec(_Spec):
+    """An admission policy: ``factory(offload_min_hits=int, max_tracked=int)`` returns a fresh
+    :class:`corekv.admission.AdmissionPolicy` (which cached blocks go to the tiers); the
+    name is what ``cache.admission`` says. ``options`` is unused."""
+
+
+@dataclass(frozen=True)
 class ConfigSectionSpec:
     """A top-level config section a plugin owns (``kv_events:``), validated by ``load_config``
     like corekv's own fields; the values reach the plugin as ``config.sections[name]`` (also

@@ -17,7 +17,7 @@ from corekv.plugin import (
 ROOT = Path(__file__).resolve().parents[1]
 HOOKS = hook_signatures()
 #: what a registration hook may return a list of
-SPEC_TYPES = {"BackendSpec", "TierSpec", "ConfigSectionSpec", "EvictionPolicySpec"}
+SPEC_TYPES = {"BackendSpec", "TierSpec", "ConfigSectionSpec", "EvictionPolicySpec", "AdmissionPolicySpec"}
 
 
 def documented_headings() -> list[str]:

@@ -12,7 +12,8 @@ from hypothesis import strategies as st
 
 from corekv.backend import EvictedBlock
 from corekv.offload import Offload
-from corekv.offload.admission import AdmissionPolicy, AdmitAll, MinHits
+from corekv.admission import AdmissionPolicy, AdmitAll, MinHits
+from corekv.plugin import AdmissionPolicySpec, hookimpl, make_plugin_manager
 from corekv.offload.planner import OffloadPlanner
 from corekv.tiers.host import HostTier
 from corekv.tiers.lmdb import LMDBTier
@@ -124,6 +125,45 @@ def test_an_admission_policy_decides_what_the_offload_facade_writes():
     manager.flush()
     assert [host.contains(h) for h in key.block_hashes] == [True, False, True, False]
     manager.close()
+
+
+class EveryOtherPlugin:
+    @hookimpl
+    def corekv_register_admission_policies(self):
+        return [AdmissionPolicySpec(name="every_other", factory=lambda offload_min_hits, max_tracked: EveryOtherBlock())]
+
+
+def test_corekv_register_admission_policies_names_the_rule_the_config_chooses():
+    import corekv
+    from corekv.offload import make_offload
+
+    builtin = make_plugin_manager(autoload=False)
+    assert corekv.load_config({}, env={}, plugin_manager=builtin).cache.admission == "min_hits"
+    with pytest.raises(corekv.ConfigError, match=r"^cache\.admission: got 'every_other'; expected a "
+                       r"registered admission policy \(min_hits\)"):
+        corekv.load_config({"cache": {"admission": "every_other"}}, env={}, plugin_manager=builtin)
+    manager = make_plugin_manager([EveryOtherPlugin()], autoload=False)
+    cfg = corekv.load_config({"cache": {"admission": "every_other", "offload_min_hits": 5,
+                                        "tiers": [{"type": "host", "size": "1MiB"}]}},
+                             env={}, plugin_manager=manager)
+    pool = make_pool()
+    offload, _ = make_offload(cfg.cache, manager, fingerprint="ab" * 16, dtype="float32", kv_pool=pool,
+                              backend=None)
+    try:
+        assert isinstance(offload.planner.admission, EveryOtherBlock)
+        key = make_key(4)
+        offload.evicted([EvictedBlock(h, b) for h, b in zip(key.block_hashes, [0, 1, 2, 3])])
+        offload.flush()
+        assert [offload.tiers[0].contains(h) for h in key.block_hashes] == [True, False, True, False]
+    finally:
+        offload.close()
+    default, _ = make_offload(corekv.load_config({"cache": {"offload_min_hits": 2, "tiers": [
+        {"type": "host", "size": "1MiB"}]}}, env={}, plugin_manager=builtin).cache, builtin,
+        fingerprint="ab" * 16, dtype="float32", kv_pool=make_pool(), backend=None)
+    try:
+        assert isinstance(default.planner.admission, MinHits) and default.planner.admission.min_hits == 2
+    finally:
+        default.close()
 
 
 @pytest.mark.parametrize("kwargs, message", [

@@ -153,6 +153,9 @@ class ConfigReader:
         kwargs["backend_options"] = self.options(
             raw.get("backend_options") or {}, backends[backend].options, options_path,
             f" for backend {backend!r}")
+        if "admission" in kwargs:
+            self.check_plugin_name(kwargs["admission"], self.plugin_manager.admission_policies(),
+                                   _join(path, "admission"), "admission policy")
         tiers = [self.tier(entry, f"{_join(path, 'tiers')}[{i}]")
                  for i, entry in enumerate(self.list_of(raw.get("tiers"), _join(path, "tiers")))]
         for i, tier in enumerate(tiers):

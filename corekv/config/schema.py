@@ -179,6 +179,8 @@ class CacheConfig:
     offload_min_hits: int = _field(0, "offload only blocks hit at least this often on the device "
                                    "(keeps never-reused blocks off SSDs); 0 offloads every block",
                                    minimum=0)
+    admission: str = _field("min_hits", "which cached blocks go to the tiers: min_hits (the rule of "
+                            "offload_min_hits) or a plugin's admission policy (see `corekv plugins`)")
     offload_queue_blocks: int = _field(256, "most blocks waiting for the background tier writer; "
                                        "past it offloads are skipped and counted", minimum=1)
     prefetch_blocks: int | None = _field(None, "most blocks read ahead from the tiers into host "

@@ -98,8 +98,12 @@ def make_offload(cache: CacheConfig, plugin_manager, *, fingerprint: str, dtype:
                               "the tier or use preemption: recompute", path="engine.preemption")
     if not tiers:
         return NullOffload(), not_started
+    # NOTE: the config reader checked the admission policy's name against this manager's
+    admission = plugin_manager.admission_policies()[cache.admission].factory(
+        offload_min_hits=cache.offload_min_hits, max_tracked=kv_pool.num_blocks)
     try:
         offload = Offload(tiers, kv_pool, write_policy=cache.write_policy, offload_min_hits=cache.offload_min_hits,
+                          admission=admission,
                           queue_blocks=cache.offload_queue_blocks, hooks=plugin_manager.hook,
                           prefetch_blocks=cache.prefetch_blocks, swap_tier=swap_tier, backend=backend,
                           reload_cost=ReloadCost([t.name for t in tiers], kv_pool.block_size,

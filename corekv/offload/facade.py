@@ -29,7 +29,7 @@ from corekv.backend import EvictedBlock
 from corekv.hashing import BlockHash, PrefixKey
 from corekv.offload.cost import ReloadCost
 from corekv.offload.measure import TierMeasurement, measure_tier
-from corekv.offload.admission import AdmissionPolicy
+from corekv.admission import AdmissionPolicy
 from corekv.offload.planner import OffloadPlanner
 from corekv.offload.pool_io import snapshot_blocks, write_rows
 from corekv.offload.prefetch import Prefetch, Prefetcher
@@ -81,7 +81,7 @@ class Offload:
         :param on_done: told when each offloaded block's write ended (:mod:`.writer`'s ``OnDone``).
         :param reload_cost: decides how many tier hits a request loads (:mod:`.cost`; default:
             all of them); the engine feeds it its step times through :attr:`cost`.
-        :param admission: which cached blocks may go to the tiers (:mod:`.admission`; default:
+        :param admission: which cached blocks may go to the tiers (:mod:`corekv.admission`; default:
             the rule of ``offload_min_hits``).
         :raises ValueError: a backend that cannot report evicted blocks' hashes.
 

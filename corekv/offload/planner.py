@@ -7,7 +7,7 @@ questions of the same object:
 - **write policy**: ``write_through`` offers a block to the tiers when it is cached (filled);
   ``write_back`` when its device slot is about to be reused (corekv's engine) or when its request
   ends (vLLM, which never tells a connector when it reuses a slot);
-- **admission**: an :class:`~corekv.offload.admission.AdmissionPolicy` says which blocks qualify;
+- **admission**: an :class:`~corekv.admission.AdmissionPolicy` says which blocks qualify;
   the builtin rule (``offload_min_hits``) admits a block once the device cache served it that
   often while resident, so blocks never re-used stay off the tiers (SSD wear); its count leaves
   with it when it is evicted;
@@ -26,7 +26,7 @@ from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 
 from corekv.hashing import BlockHash
-from corekv.offload.admission import AdmissionPolicy, make_admission
+from corekv.admission import AdmissionPolicy, make_admission
 
 __all__ = ["OUTCOMES", "OffloadPlanner"]
 
