@@ -19,6 +19,11 @@ into place: a reader never sees half a folder, and of two processes converting a
 its folder, the other uses it. Where the cache cannot be written the model is loaded from the
 GGUF file on every start, as before (logged once).
 
+A later start builds the model class from the folder's config and hands it the stored float32
+weights (:func:`load_model_from`), which is what ``from_pretrained`` gives for this folder without
+its loading machinery (its conversion rules, key renames, device maps and checks take about half
+a second of a warm start for a folder corekv wrote itself, in the one layout it writes).
+
 The folder also keeps the model's fingerprint per dtype (:func:`remembered`, :func:`remember`), which
 otherwise costs a pass over every weight at each start: its writer, like anyone who can write here,
 decides what the model is.
@@ -30,6 +35,7 @@ import logging
 import os
 import shutil
 from pathlib import Path
+from typing import Any
 
 from corekv.engine import progress
 
@@ -107,6 +113,54 @@ def _convert(gguf_path: Path, folder: Path) -> None:
     # NOTE: save_model, not save_file: it writes a tied weight (lm_head = embed_tokens) once
     save_model(model, str(folder / "model.safetensors"), metadata={"format": "pt"})
     (folder / _DONE).write_text(f"converted from {gguf_path}\n")
+
+
+def is_converted(path: Path) -> bool:
+    """Whether ``path`` is a finished converted folder (which :func:`load_model_from` reads)."""
+    return path.is_dir() and (path / _DONE).is_file()
+
+
+def load_model_from(folder: Path, config: Any, dtype: Any) -> Any | None:
+    """The causal LM in a converted ``folder`` (:func:`is_converted`) with ``config`` (read from
+    it), or ``None`` where this shortcut does not apply: another dtype than the stored float32, or
+    weights that are not exactly the model class's parameters (the caller then uses
+    ``from_pretrained``).
+
+    The model class is built from the config without initialising its weights, the stored tensors
+    become its parameters (a weight written once for two tied names, as ``safetensors.save_model``
+    records in the file's metadata, goes to both), and the ties are restored: the same parameters,
+    buffers, config and generation config as ``from_pretrained(folder, dtype=torch.float32)``
+    (tests/engine/test_engine_gguf_cache.py compares the two).
+    """
+    import torch
+    from safetensors import safe_open
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM, GenerationConfig
+    from transformers.initialization import no_init_weights
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+    weights = folder / "model.safetensors"
+    if dtype != torch.float32 or type(config) not in MODEL_FOR_CAUSAL_LM_MAPPING or not weights.is_file():
+        return None
+    with no_init_weights():
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    state = load_file(weights)
+    with safe_open(weights, "pt") as f:
+        aliases = f.metadata() or {}
+    for alias, stored in aliases.items():
+        if stored in state and alias not in state:
+            state[alias] = state[stored]
+    expected = {name for name, _ in model.named_parameters(remove_duplicate=False)}
+    expected |= {name for name, _ in model.named_buffers(remove_duplicate=False)} & set(model.state_dict())
+    if set(state) != expected or any(t.dtype != dtype for t in state.values()):
+        logger.info("%s does not hold exactly %s's weights; loading it with from_pretrained", folder,
+                    type(model).__name__)
+        return None
+    model.load_state_dict(state, strict=True, assign=True)
+    model.tie_weights()
+    if (folder / "generation_config.json").is_file():
+        model.generation_config = GenerationConfig.from_pretrained(folder)
+    return model.eval()
 
 
 def remembered(folder: Path, name: str) -> str | None:

@@ -298,8 +298,10 @@ def _load_hf(path: Path, torch_dtype: Any) -> tuple[Any, Any, Any]:
     config = AutoConfig.from_pretrained(folder, local_files_only=True, **kwargs)
     check_architecture(config)
     tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True, **kwargs)
-    hf_model = AutoModelForCausalLM.from_pretrained(folder, config=config, local_files_only=True, dtype=torch_dtype,
-                                                    **kwargs)
+    hf_model = gguf_cache.load_model_from(path, config, torch_dtype) if gguf_cache.is_converted(path) else None
+    if hf_model is None:
+        hf_model = AutoModelForCausalLM.from_pretrained(folder, config=config, local_files_only=True,
+                                                        dtype=torch_dtype, **kwargs)
     return config, tokenizer, hf_model
 
 

@@ -43,6 +43,29 @@ def test_the_fingerprint_kept_beside_the_converted_folder_is_the_weights_fingerp
     assert models.model_fingerprint(smollm2.model) == smollm2.fingerprint
 
 
+def test_the_converted_folder_builds_the_model_from_pretrained_builds():
+    """load_model_from (the class built from the config, the stored tensors as its parameters) gives
+    what transformers' from_pretrained gives for the folder: parameters, buffers, ties, config and
+    generation config; another dtype is left to from_pretrained."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    folder = gguf_cache.existing_folder(gguf_path())
+    config = AutoConfig.from_pretrained(folder, local_files_only=True)
+    built = gguf_cache.load_model_from(folder, config, torch.float32)
+    loaded = AutoModelForCausalLM.from_pretrained(folder, local_files_only=True, dtype=torch.float32)
+    assert type(built) is type(loaded) and not built.training
+    built_state, loaded_state = built.state_dict(), loaded.state_dict()
+    assert built_state.keys() == loaded_state.keys()
+    for name, tensor in loaded_state.items():
+        assert built_state[name].dtype == tensor.dtype and torch.equal(built_state[name], tensor), name
+    for (name, buffer), (_, expected) in zip(built.named_buffers(), loaded.named_buffers(), strict=True):
+        assert buffer.dtype == expected.dtype and torch.equal(buffer, expected), name
+    assert built.lm_head.weight is built.get_input_embeddings().weight
+    assert built.config.to_dict() == loaded.config.to_dict()
+    assert built.generation_config.to_dict() == loaded.generation_config.to_dict()
+    assert gguf_cache.load_model_from(folder, config, torch.bfloat16) is None
+
+
 def test_load_tokenizer_reads_the_converted_folder_and_encodes_as_the_engine_does(smollm2):
     tokenizer = load_tokenizer(models.DEFAULT_MODEL)
     assert Path(tokenizer.name_or_path) == gguf_cache.existing_folder(gguf_path())
