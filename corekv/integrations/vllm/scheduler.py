@@ -107,7 +107,9 @@ class SchedulerSide:
     def __init__(self, settings: ConnectorSettings, *, same_process: bool):
         self.settings = settings
         self.block_size = settings.block_size
-        self.planner = OffloadPlanner(write_policy=settings.cache.write_policy,
+        admission = settings.plugin_manager.admission_policies()[settings.cache.admission].factory(
+            offload_min_hits=settings.cache.offload_min_hits, max_tracked=_MAX_TRACKED)
+        self.planner = OffloadPlanner(write_policy=settings.cache.write_policy, admission=admission,
                                       offload_min_hits=settings.cache.offload_min_hits, max_tracked=_MAX_TRACKED)
         self._epoch = 0  # reset_cache() calls so far: part of every key (see the module docstring)
         tiers, not_started = open_tiers(settings)

@@ -3,7 +3,7 @@
 ``kv_connector_extra_config`` takes ``config`` (a corekv YAML file; default: the file named by
 ``COREKV_CONFIG``) and optionally ``fingerprint`` (a string naming the model's weights, instead
 of hashing the weight files at start). The YAML's ``cache`` section applies (``tiers``, ``hash``,
-``write_policy``, ``offload_min_hits``, ``offload_queue_blocks``, ``integrity``); fields about
+``write_policy``, ``admission``, ``offload_min_hits``, ``offload_queue_blocks``, ``integrity``); fields about
 corekv's own engine make no sense where vLLM owns the model and the device cache and are refused
 by name (:data:`REFUSED`).
 
@@ -139,7 +139,7 @@ def _refuse_fields(raw: Any, path: str) -> None:
         reasons = "; ".join(f"{f}: {REFUSED[f]}" for f in present)
         raise ConfigError(f"{path}: field(s) {present} do not apply inside vLLM and are refused ({reasons}); "
                           "remove them: the connector reads the cache section (tiers, hash, write_policy, "
-                          "offload_min_hits, offload_queue_blocks, integrity)", path=present[0])
+                          "admission, offload_min_hits, offload_queue_blocks, integrity)", path=present[0])
 
 
 def _kv_layout(vllm_config, spec) -> str:
