@@ -6,7 +6,9 @@ The seed's multi-turn workload (``workloads/chats.py``: 20 conversations x 8 tur
 ``--scale``, real token ids from the seed documents), turn t of all conversations submitted
 together, ``--new-tokens`` greedy tokens per turn. Every structure that evicts is under pressure:
 the device pool holds ``--pool-fraction`` of the working set (the final prompts plus new tokens),
-a host tier ``--host-fraction`` of it, above an LMDB (``sync: false``) with room for all of it.
+a host tier ``--host-fraction`` of it, above an LMDB (``sync: false``) with room for all of it
+(``--tiers host+lmdb``, the default; with ``--tiers host`` there is no LMDB, so what the host
+tier drops is recomputed and the policy shows in the prompt tokens computed).
 For each policy (``--policies``) the radix backend and both tiers evict by it; under ``priority``
 the even-numbered conversations are sent with priority 1 ("paid"), the others with 0 (tiers see
 no request priorities, so there it is LRU). Each policy runs on a fresh engine and empty tiers;
@@ -57,7 +59,7 @@ def run_policy(model, policy: str, turns, num_blocks: int, working_set_bytes: in
                         options={"size": int(working_set_bytes * args.host_fraction), "eviction": policy}),
              TierConfig(type="lmdb", name="lmdb",
                         options={"path": os.path.join(workdir, "lmdb"), "size": 2 * working_set_bytes + (64 << 20),
-                                 "sync": False, "eviction": policy}))
+                                 "sync": False, "eviction": policy}))[:2 if args.tiers == "host+lmdb" else 1]
     config = Config(model="smollm2-135m-instruct", dtype="float32", device="cpu",
                     engine=EngineConfig(num_blocks=num_blocks, block_size=BLOCK, max_num_batched_tokens=args.budget),
                     cache=CacheConfig(backend="radix", backend_options={"eviction": policy}, tiers=tiers))
@@ -105,6 +107,8 @@ def main() -> None:
     parser.add_argument("--scale", type=float, default=0.25, help="multiplies every length of the seed's workload")
     parser.add_argument("--pool-fraction", type=float, default=0.25, help="device pool / working set")
     parser.add_argument("--host-fraction", type=float, default=0.25, help="host tier / working set")
+    parser.add_argument("--tiers", choices=("host+lmdb", "host"), default="host+lmdb",
+                        help="the tiers below the device pool")
     parser.add_argument("--new-tokens", type=int, default=8, help="tokens generated per turn")
     parser.add_argument("--threads", type=int, default=1, help="torch.set_num_threads")
     parser.add_argument("--budget", type=int, default=512, help="engine.max_num_batched_tokens")
