@@ -278,7 +278,7 @@ def _distribution_of(module_name: str) -> str:
 
 def available_plugins(plugins: Iterable[str | object] = ()) -> dict[str, dict[str, dict[str, str]]]:
     """``{"backends": {name: info}, "tiers": {name: info}, "config_sections": {name: info},
-    "eviction_policies": {name: info}, "plugins": {name: info}}``.
+    "eviction_policies": {name: info}, "admission_policies": {name: info}, "plugins": {name: info}}``.
 
     ``info`` has ``description``, ``plugin`` (the plugin that registered it), ``distribution``
     and ``options`` (``{name: {"kind", "required", "default", "choices", "minimum", "help"}}``).
@@ -292,6 +292,7 @@ def available_plugins(plugins: Iterable[str | object] = ()) -> dict[str, dict[st
         "tiers": {n: describe(s) for n, s in sorted(manager.tiers().items())},
         "config_sections": {n: describe(s) for n, s in sorted(manager.config_sections().items())},
         "eviction_policies": {n: describe(s) for n, s in sorted(manager.eviction_policies().items())},
+        "admission_policies": {n: describe(s) for n, s in sorted(manager.admission_policies().items())},
         "plugins": {n: {"distribution": d} for n, d in sorted(manager.plugin_names().items())},
     }
 

@@ -180,8 +180,10 @@ def test_plugins_text_has_a_section_per_kind(capsys):
     assert main(["plugins"]) == 0
     out = capsys.readouterr().out
     sections = re.findall(r"^(\w+):$", out, flags=re.M)
-    assert sections == ["Backends", "Tiers", "Plugins"]
+    assert sections == ["Backends", "Tiers", "Eviction", "Admission", "Plugins"]
     assert re.search(r"^  radix\s+corekv\s+radix\s+\S", out, flags=re.M)
+    assert re.search(r"^  lfu\s+corekv\s+eviction\s+\S", out, flags=re.M)
+    assert re.search(r"^  min_hits\s+corekv\s+admission\s+\S", out, flags=re.M)
 
 
 # -- config ----------------------------------------------------------------------------------------

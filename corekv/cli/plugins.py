@@ -10,10 +10,10 @@ from corekv.cli.output import print_table
 
 
 def add_plugins_command(commands, common) -> None:
-    p = commands.add_parser("plugins", parents=[common], help="list backends, tiers and plugins",
+    p = commands.add_parser("plugins", parents=[common], help="list backends, tiers, policies and plugins",
                             **parser_kwargs(
-                                "List every registered backend and tier, and every plugin, with "
-                                "the distribution it comes from.",
+                                "List every registered backend, tier, eviction and admission "
+                                "policy, and every plugin, with the distribution it comes from.",
                                 "  corekv plugins\n  corekv plugins --json\n"
                                 "  corekv plugins --config cache.yaml   # also the config's plugins:\n"))
     p.add_argument("--json", action="store_true", help="print JSON (with each option schema)")
@@ -27,7 +27,8 @@ def cmd_plugins(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(info, indent=2))
         return 0
-    for title, key in (("Backends", "backends"), ("Tiers", "tiers")):
+    for title, key in (("Backends", "backends"), ("Tiers", "tiers"), ("Eviction", "eviction_policies"),
+                       ("Admission", "admission_policies")):
         rows = [(name, d["distribution"] or "-", d["plugin"], d["description"])
                 for name, d in info[key].items()]
         print_table(title, ("NAME", "DISTRIBUTION", "PLUGIN", "DESCRIPTION"), rows)
