@@ -367,6 +367,10 @@ def make_policy(policy: str | EvictionPolicy | None, plugin_manager: Any = None)
         plugin_manager = make_plugin_manager()
     specs = plugin_manager.eviction_policies()
     if policy not in specs:
+        if not specs:  # NOTE: corekv's own policies come from its entry points, like a plugin's
+            raise ValueError(f"eviction {policy!r}: no eviction policy is registered, not even "
+                             "corekv's own (lru, lfu, priority); the installed corekv's entry points "
+                             "are older than its code: reinstall it (pip install -e . in a checkout)")
         raise ValueError(f"eviction {policy!r} is not a registered eviction policy; expected one of "
                          f"{', '.join(sorted(specs))} (install or list the plugin that provides it)")
     made = specs[policy].factory()

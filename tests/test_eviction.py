@@ -176,3 +176,12 @@ def test_make_policy_rejects_what_is_neither_a_name_nor_a_policy():
         make_policy(3)
     with pytest.raises(ValueError, match="'nope' is not a registered eviction policy; expected one of"):
         make_policy("nope", make_plugin_manager(autoload=False))
+
+
+def test_an_install_without_corekvs_own_policies_says_to_reinstall():
+    class NoPolicies:
+        def eviction_policies(self):
+            return {}
+
+    with pytest.raises(ValueError, match="no eviction policy is registered.*reinstall"):
+        make_policy("lru", NoPolicies())
