@@ -14,7 +14,7 @@ from collections.abc import Iterable, Sequence
 
 from corekv.hashing import BlockHash
 
-__all__ = ["AdmissionPolicy", "AdmitAll", "MinHits", "make_admission"]
+__all__ = ["AdmissionPolicy", "AdmitAll", "MinHits", "build_admission", "make_admission"]
 
 
 class AdmissionPolicy(ABC):
@@ -86,6 +86,17 @@ class MinHits(AdmissionPolicy):
 
     def reset(self):
         self.hit_counts.clear()
+
+
+def build_admission(name: str, plugin_manager, *, offload_min_hits: int, max_tracked: int) -> AdmissionPolicy:
+    """The admission policy registered as ``name`` (``cache.admission``), built for one planner."""
+    specs = plugin_manager.admission_policies()
+    if name not in specs:
+        registered = ", ".join(sorted(specs)) or ("none, not even corekv's own min_hits: the installed "
+                                                 "corekv's entry points are older than its code; "
+                                                 "reinstall it (pip install -e . in a checkout)")
+        raise ValueError(f"cache.admission {name!r} is not a registered admission policy ({registered})")
+    return specs[name].factory(offload_min_hits=offload_min_hits, max_tracked=max_tracked)
 
 
 def make_admission(offload_min_hits: int, max_tracked: int = 1 << 16) -> AdmissionPolicy:

@@ -200,3 +200,10 @@ def test_the_planners_bounds_and_in_flight_rule_hold_under_any_sequence(ops):
             planner.forget(hashes)
         assert len(planner.hit_counts) <= 5 and len(planner.in_flight) <= 5
         assert all(planner.is_in_flight(bytes([i]) * 16) == (bytes([i]) * 16 in in_flight) for i in range(10))
+
+
+def test_an_unregistered_admission_policy_names_what_is_registered():
+    from corekv.admission import build_admission
+
+    with pytest.raises(ValueError, match=r"cache.admission 'nope' is not a registered admission policy \(min_hits\)"):
+        build_admission("nope", make_plugin_manager(autoload=False), offload_min_hits=0, max_tracked=8)

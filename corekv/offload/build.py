@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 
+from corekv.admission import build_admission
 from corekv.config import CacheConfig
 from corekv.errors import ConfigError, PluginError
 from corekv.eviction import resolve_policy_options
@@ -99,8 +100,8 @@ def make_offload(cache: CacheConfig, plugin_manager, *, fingerprint: str, dtype:
     if not tiers:
         return NullOffload(), not_started
     # NOTE: the config reader checked the admission policy's name against this manager's
-    admission = plugin_manager.admission_policies()[cache.admission].factory(
-        offload_min_hits=cache.offload_min_hits, max_tracked=kv_pool.num_blocks)
+    admission = build_admission(cache.admission, plugin_manager, offload_min_hits=cache.offload_min_hits,
+                                max_tracked=kv_pool.num_blocks)
     try:
         offload = Offload(tiers, kv_pool, write_policy=cache.write_policy, offload_min_hits=cache.offload_min_hits,
                           admission=admission,

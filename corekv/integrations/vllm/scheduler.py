@@ -45,6 +45,7 @@ from vllm.distributed.kv_events import BlockStored
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 from vllm.v1.core.kv_cache_utils import generate_block_hash_extra_keys, maybe_convert_block_hash, to_event_extra_keys
 
+from corekv.admission import build_admission
 from corekv.hashing import PrefixKey
 from corekv.integrations.vllm.metadata import BlockLoad, BlockSave, StepPlan, StepReport
 from corekv.integrations.vllm.settings import ConnectorSettings
@@ -107,8 +108,8 @@ class SchedulerSide:
     def __init__(self, settings: ConnectorSettings, *, same_process: bool):
         self.settings = settings
         self.block_size = settings.block_size
-        admission = settings.plugin_manager.admission_policies()[settings.cache.admission].factory(
-            offload_min_hits=settings.cache.offload_min_hits, max_tracked=_MAX_TRACKED)
+        admission = build_admission(settings.cache.admission, settings.plugin_manager,
+                                    offload_min_hits=settings.cache.offload_min_hits, max_tracked=_MAX_TRACKED)
         self.planner = OffloadPlanner(write_policy=settings.cache.write_policy, admission=admission,
                                       offload_min_hits=settings.cache.offload_min_hits, max_tracked=_MAX_TRACKED)
         self._epoch = 0  # reset_cache() calls so far: part of every key (see the module docstring)
