@@ -27,13 +27,14 @@ def test_a_killed_primary_fails_no_request_changes_no_output_and_hits_resume(tin
     for port in cluster.primary_ports():  # every write reached the replicas before the crash
         with cluster.client(port) as client:
             assert client.execute_command("WAIT", 1, 5000) == 1
-    # NOTE: not the node the url names: a machine started after the crash could not discover the
-    # cluster through a dead node (list several nodes' addresses in production; one url here)
-    victim = next(p for p in cluster.primary_ports() if p != cluster.ports[0])
-    cluster.kill(victim)
-
     outputs, full_hit_rounds = [], 0
-    with make_engine(tiny_llama, [tier]) as second:  # machine 2: an empty device pool
+    with make_engine(tiny_llama, [tier]) as second:  # machine 2: an empty device pool, open already
+        # NOTE: not the node the url names (a machine that opens the tier after the crash finds
+        # the cluster through that one node, so the url should name a node that stays). The kill
+        # comes after the engine opened, so its first request (milliseconds) meets the dead node
+        # well inside the node timeout (1.5 s) the replica waits before it takes over.
+        victim = next(p for p in cluster.primary_ports() if p != cluster.ports[0])
+        cluster.kill(victim)
         for _ in range(MAX_ROUNDS):
             round_outputs = [second.generate(p, GREEDY)[0] for p in PROMPTS]
             outputs += round_outputs
