@@ -4,6 +4,9 @@ shared tier; a cluster primary is killed mid-run.
 
     python benchmarks/fleet.py --shared none,cluster,s3 --markdown
 
+About 10 minutes with SmolLM2 on 2 shared cores at these defaults (BENCHMARKS.md's run used
+``--docs 7``: 16 minutes at load average 5-10, beside another benchmark).
+
 Workload: ``--docs`` documents of about ``--doc-tokens`` tokens (cut from the seed documents),
 each asked ``--questions`` questions, one request at a time through the router, whose policy is
 ``round_robin``: request ``i`` goes to server ``i % 3``, and the requests run question by
@@ -234,7 +237,7 @@ def main() -> int:
     parser.add_argument("--model", default="smollm2-135m-instruct", help="the servers' model")
     parser.add_argument("--tiny", action="store_true", help="the tests' tiny random Llama instead (text is noise)")
     parser.add_argument("--shared", default="none,cluster,s3", help="fleets to run: none, cluster, s3")
-    parser.add_argument("--docs", type=int, default=7,
+    parser.add_argument("--docs", type=int, default=5,
                         help="documents (not a multiple of 3, so a document's next question goes to another server)")
     parser.add_argument("--doc-chars", type=int, default=2400, help="characters per document (~600 SmolLM2 tokens)")
     parser.add_argument("--questions", type=int, default=3, help="questions per document")
