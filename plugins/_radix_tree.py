@@ -221,7 +221,7 @@ class RadixTreeOps:
         """Evict unlocked leaves, smallest ``eviction.key(node)`` first (ties: oldest node), until
         ``num_blocks`` blocks are free; a parent becomes a candidate when its last child goes."""
         order = self.eviction.key
-        heap = [(order(n), n.serial, n) for n in self._evictable_leaves]
+        heap = self.eviction.ranked(self._evictable_leaves)
         heapq.heapify(heap)
         victims: list[Node] = []
         parent_to_gone: dict[Node, int] = {}

@@ -132,14 +132,12 @@ class HashBlockBackend(PrefixCacheBackend):
             self._check_ids("block_ids", block_ids)
         ref, block_hash, hash_to_block = self._ref, self._block_hash, self._hash_to_block
         stored = []   # indexes into the key's blocks
-        cached_ids = []   # every block that caches this key's prefix, new or not
         for i, (b, h) in enumerate(zip(block_ids, hashes)):
             current = block_hash[b]
             if current is not None:
                 if current != h:
                     raise ValueError(f"block {b} already caches another prefix; a cached block "
                                      "cannot be cached again under a different key")
-                cached_ids.append(b)
                 continue
             if ref[b] == 0:
                 raise ValueError(f"block {b} is not held by the caller; cache() takes blocks from "
@@ -149,8 +147,12 @@ class HashBlockBackend(PrefixCacheBackend):
             hash_to_block[h] = b
             block_hash[b] = h
             stored.append(i)
-            cached_ids.append(b)
-        self._idle.store_many(cached_ids, key.priority)
+        if self._idle.tracks_stores:
+            # NOTE: every block that caches this key's prefix, new or not, for a queue that keeps
+            # per-block stats (LFU's hits, a priority); LRU's keeps none, so its loop above pays
+            # nothing for them
+            self._idle.store_many([b for b, h in zip(block_ids, hashes) if block_hash[b] == h],
+                                  key.priority)
         if stored and self.record_events:
             self._record_stored(key, stored)
 
