@@ -33,8 +33,9 @@ Built on first use by ``torch.utils.cpp_extension`` (g++ and ninja; minutes on a
 announced on a terminal) into a folder of torch's extension cache (``TORCH_EXTENSIONS_DIR``) named
 by a digest of what the build depends on (:func:`build_key`), which then serves later processes at
 once. NOTE: keyed, not named ``corekv_native`` alone: two checkouts or venvs (another torch or
-python, other sources) would otherwise rebuild each other's kernels, wait on each other's build
-lock and load whichever build the other made; processes of one environment share one build.
+python, other sources or the same ones in another folder) would otherwise rebuild each other's
+kernels, wait on each other's build lock and load whichever build the other made; processes of
+one environment share one build.
 """
 from __future__ import annotations
 
@@ -147,6 +148,11 @@ def built_isas() -> list[str]:
     return list(_build().isas())
 
 
+def _source_folders() -> list[str]:
+    """The folders the build's compile commands name the sources by."""
+    return sorted({os.path.abspath(path.parent) for path in SOURCES})
+
+
 def _revision() -> str:
     digest = hashlib.sha256()
     for path in (*SOURCES, *HEADERS):
@@ -155,17 +161,19 @@ def _revision() -> str:
 
 
 def build_key() -> str:
-    """A digest of what the kernels' build depends on: the sources, the compile flags, the
-    compiler named by ``$CXX``, the machine, python's and torch's versions and where torch is
-    installed.
+    """A digest of what the kernels' build depends on: the sources and where they are, the
+    compile flags, the compiler named by ``$CXX``, the machine, python's and torch's versions and
+    where torch is installed.
 
-    NOTE: torch's folder too, not its version alone: the build's compile commands name torch's
-    include folder, and ninja rebuilds everything when a command changes, so two venvs with the
-    same torch version in one folder rebuilt each other's kernels on every switch (measured:
-    BENCHMARKS.md, "Start-up")."""
+    NOTE: the folders too, not the versions and contents alone: the build's compile commands name
+    torch's include folder and each source file's path, and ninja rebuilds everything when a
+    command changes, so two venvs with the same torch version in one folder rebuilt each other's
+    kernels on every switch, and so did copies of one checkout (snapshots for benchmarks, CI
+    folders) started with one venv: nine builds of one folder in an hour, starts of 1-5 minutes
+    (BENCHMARKS.md, "Start-up")."""
     digest = hashlib.sha256()
-    for part in (_revision(), *_cflags(), os.environ.get("CXX", ""), platform.machine(),
-                 sys.version, sys.abiflags, torch.__version__, os.path.dirname(torch.__file__)):
+    for part in (_revision(), *_source_folders(), *_cflags(), os.environ.get("CXX", ""),
+                 platform.machine(), sys.version, sys.abiflags, torch.__version__, os.path.dirname(torch.__file__)):
         digest.update(part.encode() + b"\0")
     return digest.hexdigest()[:16]
 

@@ -19,3 +19,18 @@ def test_the_key_changes_with_the_sources(monkeypatch):
     key = native.build_key()
     monkeypatch.setattr(native, "_revision", lambda: "another revision")
     assert native.build_key() != key
+
+
+def test_the_key_changes_with_where_the_sources_are(monkeypatch, tmp_path):
+    """A copy of the checkout (a snapshot, a CI folder) started with the same venv compiles the same
+    bytes from other paths: ninja would rebuild a shared folder at every switch."""
+    key, revision = native.build_key(), native._revision()
+    copies = []
+    for path in (*native.SOURCES, *native.HEADERS):
+        copy = tmp_path / path.name
+        copy.write_bytes(path.read_bytes())
+        copies.append(copy)
+    monkeypatch.setattr(native, "SOURCES", copies[:len(native.SOURCES)])
+    monkeypatch.setattr(native, "HEADERS", copies[len(native.SOURCES):])
+    assert native._revision() == revision  # the same bytes
+    assert native.build_key() != key
