@@ -187,7 +187,8 @@ class _ReloadCollector:
     ``corekv_reload_skipped_blocks_by_tier_total{tier}`` and
     ``corekv_reload_skipped_blocks_by_reason_total{reason}`` (the same blocks by the tier that held
     them, and by why: ``slower_than_recompute`` or ``after_a_skipped_run``),
-    ``corekv_reload_probes_total`` (skipped tiers loaded again to re-measure them), and the gauges
+    ``corekv_reload_skipped_lookups_total`` (tiers not asked: even a full hit could not beat
+    recompute), ``corekv_reload_probes_total`` (skipped tiers loaded again to re-measure them), and the gauges
     ``corekv_reload_load_seconds_per_block{tier}``, ``corekv_reload_load_latency_seconds{tier}``
     (per call, measured when the tier opened) and ``corekv_reload_prefill_seconds_per_token`` once
     measured. Counters are 0 without tiers."""
@@ -213,6 +214,9 @@ class _ReloadCollector:
         for tier, num in stats.get("skipped_blocks_by_tier", {}).items():
             by_tier.add_metric([tier], num)
         yield by_tier
+        yield CounterMetricFamily("corekv_reload_skipped_lookups",
+                                  "Tier lookups left out because even a full hit could not beat recompute",
+                                  value=stats.get("skipped_lookups", 0))
         yield CounterMetricFamily("corekv_reload_probes", "Skipped tiers loaded again to re-measure them",
                                   value=stats.get("probes", 0))
         per_block = GaugeMetricFamily("corekv_reload_load_seconds_per_block",

@@ -178,3 +178,22 @@ def test_the_prefill_rate_is_a_steps_marginal_cost_not_its_fixed_one():
     for _ in range(4):
         cost.observe_load(0, 64, 64 * 0.005)  # 5 ms a block against 1.6 ms to recompute one
     assert cost.num_blocks_to_load([TierRun(0, 64)]) == 0
+
+
+def test_a_tier_that_cannot_beat_recompute_even_on_a_full_hit_is_not_asked():
+    """worth_asking: a lookup is a round trip; a tier whose n hits would not save its latency
+    is left out (counted, and towards its probe); unmeasured tiers and ``always`` are asked."""
+    cost = measured(host_s=1e-4, remote_s=0.05, probe_every=2)
+    assert cost.worth_asking(0, 1) and cost.worth_asking(1, 8)  # host: fast; lmdb: unmeasured
+    assert not cost.worth_asking(2, 8)  # remote: 50 ms a block against 16 ms recompute
+    assert not cost.worth_asking(2, 8, count=False)  # a prefetch's look: not counted
+    assert cost.stats()["skipped_lookups"] == 1
+    assert not cost.worth_asking(2, 8)
+    assert cost.worth_asking(2, 8)  # probe_every skips: asked again, so its estimate can follow
+    seeded = ReloadCost(["host", "s3"], BLOCK, policy="cost", min_samples=4)
+    for _ in range(4):
+        seeded.observe_step(64, 64 * PREFILL_S_PER_TOKEN)
+        seeded.observe_step(128, 128 * PREFILL_S_PER_TOKEN)
+    seeded.seed(1, latency_s=0.1, s_per_block=1e-3)  # 15 ms saved a block, 100 ms a call
+    assert not seeded.worth_asking(1, 6) and seeded.worth_asking(1, 7)
+    assert measured("always", remote_s=10.0).worth_asking(2, 1)

@@ -130,11 +130,13 @@ def test_reload_decisions_follow_the_engine_stats(tiny, tmp_path):
             cost.observe_load(0, 1, 1.0)
             cost.observe_step(64, 0.064)
         assert cost.num_blocks_to_load([TierRun(0, 3)]) == 0
+        assert not cost.worth_asking(0, 3)
         got = samples(exporter)
         stats = engine.stats()["reload"]
     assert got[("corekv_reload_skipped_blocks_total", ())] == 3
     assert got[("corekv_reload_skipped_blocks_by_tier_total", (("tier", "host"),))] == 3
     assert got[("corekv_reload_skipped_blocks_by_reason_total", (("reason", "slower_than_recompute"),))] == 3
+    assert got[("corekv_reload_skipped_lookups_total", ())] == 1
     # the host tier was measured when it opened (the seed), then the injected loads moved it
     assert stats["seeded"] == ["host"]
     assert got[("corekv_reload_load_latency_seconds", (("tier", "host"),))] == stats["load_latency_s"]["host"]

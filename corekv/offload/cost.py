@@ -32,6 +32,12 @@ take over as they come (each sample is a load's time less the latency, over its 
 ``n`` blocks from a seeded tier costs ``latency + n * seconds per block``; an unseeded tier's
 latency is 0 (its per-block mean then carries it).
 
+**A tier not worth a lookup is not asked.** A lookup is a round trip too (an object store's
+membership call can cost more than recomputing a short suffix), so before a tier is asked about
+``n`` blocks, :meth:`ReloadCost.worth_asking` checks that even ``n`` hits would save time
+(``n * (recompute - load per block) > latency``); a tier that cannot is skipped like a recomputed
+run (``skipped_lookups``, and its skips count towards the next probe).
+
 **Why blocks were skipped** is counted per tier (``skipped_blocks_by_tier``) and per reason
 (``skipped_by_reason``): ``slower_than_recompute`` (the run's own load costs more than computing
 its tokens) or ``after_a_skipped_run`` (a run behind one that was cut: runs are cut, never holed).
@@ -177,10 +183,29 @@ class ReloadCost:
                 self.counters["skipped_blocks"] += total - best
         return best
 
+    def worth_asking(self, tier_index: int, num_blocks: int, *, count: bool = True) -> bool:
+        """Whether tier ``tier_index`` is worth a lookup of ``num_blocks`` blocks: unmeasured, a
+        probe due, or ``num_blocks`` hits would save more than the call's latency (see the module
+        docstring). ``count``: admission's question (a skip counted), not a prefetch's look."""
+        if self.policy != "cost":
+            return True
+        with self._lock:
+            per_token = self._prefill_estimate()
+            load_s = self._estimate(self._loads[tier_index])
+            if per_token is None or load_s is None or self._num_skips[tier_index] >= self.probe_every:
+                return True
+            saving = num_blocks * (per_token * self.block_size - load_s) - self._latency_s[tier_index]
+            if saving > 0:
+                return True
+            if count:
+                self.counters["skipped_lookups"] += 1
+                self._num_skips[tier_index] += 1
+            return False
+
     def stats(self) -> dict:
         """The decisions' counters and the estimates (None: fewer than ``min_samples`` samples)."""
         with self._lock:
-            out = {name: self.counters[name] for name in ("skipped_blocks", "probes")}
+            out = {name: self.counters[name] for name in ("skipped_blocks", "skipped_lookups", "probes")}
             out["policy"] = self.policy
             out["prefill_s_per_token"] = self._prefill_estimate()
             out["load_s_per_block"] = {name: self._estimate(m) for name, m in zip(self.tier_names, self._loads)}

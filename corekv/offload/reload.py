@@ -34,14 +34,19 @@ _CHUNK = 8
 OnLoaded = Callable[[int, Sequence[BlockHash], Callable[[], torch.Tensor]], None]
 
 
-def lookup_runs(tiers: Sequence[Tier], hashes: Sequence[BlockHash], start: int, stop: int) -> list[TierRun]:
+def lookup_runs(tiers: Sequence[Tier], hashes: Sequence[BlockHash], start: int, stop: int,
+                ask: Callable[[int, int], bool] | None = None) -> list[TierRun]:
     """Runs of the chain ``hashes[start:stop]`` held by ``tiers``, from ``start`` on: the leading
     run of the first tier that holds block ``start``, then on from its end, down the tiers in
-    order, until no tier holds the next block. A tier that fails answers "absent" (counted)."""
+    order, until no tier holds the next block. A tier that fails answers "absent" (counted).
+    ``ask(tier index, blocks)``: False leaves that tier out of this lookup (the cost model's
+    :meth:`~corekv.offload.cost.ReloadCost.worth_asking`)."""
     runs: list[TierRun] = []
     pos = start
     while pos < stop:
         for index, tier in enumerate(tiers):
+            if ask is not None and not ask(index, stop - pos):
+                continue
             num = _safe(lambda: tier.exists(hashes[pos:stop]), 0, tier, "exists")
             if num:
                 runs.append(TierRun(index, num))
@@ -72,9 +77,11 @@ class Reloader:
         self.on_loaded = on_loaded
         self.staging = StagingBuffers(kv_pool)
 
-    def lookup(self, key: PrefixKey, start: int, stop: int) -> list[TierRun]:
-        """Runs of blocks ``start .. stop - 1`` of ``key`` held by the tiers, from ``start`` on."""
-        return lookup_runs(self.tiers, key.block_hashes, start, stop)
+    def lookup(self, key: PrefixKey, start: int, stop: int, *, count: bool = True) -> list[TierRun]:
+        """Runs of blocks ``start .. stop - 1`` of ``key`` held by the tiers worth asking (the
+        cost model's; ``count``: admission's lookup, not a prefetch's), from ``start`` on."""
+        return lookup_runs(self.tiers, key.block_hashes, start, stop,
+                           ask=lambda index, num: self.cost.worth_asking(index, num, count=count))
 
     def load(self, key: PrefixKey, start: int, runs: Sequence[TierRun], block_ids: Sequence[int]) -> dict[str, int]:
         """Copy the blocks of ``runs`` into ``block_ids`` (one per block, in order).
@@ -149,7 +156,7 @@ class Reloader:
         tiers and fetch at most ``max_blocks`` leading hits, validated, into staging rows,
         ``_CHUNK`` blocks per tier call, until admission asks it to stop."""
         key, start = prefetch.key, prefetch.start
-        runs = _cut(self.lookup(key, start, self.cost.limit(start, prefetch.stop)),
+        runs = _cut(self.lookup(key, start, self.cost.limit(start, prefetch.stop), count=False),
                     lambda found: self.cost.num_blocks_to_load(found, count=False))
         total = min(sum(run.num_blocks for run in runs), max_blocks)
         if total == 0:

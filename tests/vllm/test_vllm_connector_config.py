@@ -211,7 +211,7 @@ def test_the_scheduler_loads_only_what_beats_recompute_from_the_workers_timings(
     """``cache.reload_policy: cost`` in the connector: the worker times its real LMDB reads and
     its steps and reports them; the scheduler's cost model learns from the reports. The prefill
     rates are injected reports (a forward is not run here): a slow recompute loads the tier's
-    blocks, a fast one recomputes them (counted as skipped), ``always`` loads them whatever."""
+    blocks, a fast one recomputes them (the tier not even asked, counted), ``always`` loads them whatever."""
     from corekv.integrations.vllm.metadata import StepReport
     from corekv.integrations.vllm.scheduler import SchedulerSide
     from corekv.integrations.vllm.worker import WorkerSide
@@ -253,7 +253,7 @@ def test_the_scheduler_loads_only_what_beats_recompute_from_the_workers_timings(
 
         scheduler.reported(StepReport(step_timings=[(256, 1e-9)] * 200))  # recompute all but free (a mean of recent samples)
         assert scheduler.matched_tokens(fake_request("fast", tokens), 0) == 0
-        assert scheduler.cost.stats()["skipped_blocks"] == 6
+        assert scheduler.cost.stats()["skipped_lookups"] == 1  # not even asked: 6 hits could not pay
     finally:
         worker.close()
         scheduler.close()

@@ -164,7 +164,7 @@ class SchedulerSide:
         limit = self.cost.limit(first, (request.num_tokens - 1) // self.block_size)
         runs, pos = [], first
         while pos < limit:
-            found_runs = lookup_runs(self.tiers, hashes, pos, limit)
+            found_runs = lookup_runs(self.tiers, hashes, pos, limit, ask=self.cost.worth_asking)
             runs += found_runs
             pos += sum(run.num_blocks for run in found_runs)
             if pos >= limit or not self.planner.is_in_flight(hashes[pos]):
