@@ -12,8 +12,7 @@ Columns (``--columns``): ``vllm`` vLLM alone (its prefix cache on); ``lmcache`` 
 ``LMCacheMPConnector`` and an ``lmcache server`` process (engine-driven shared-memory transfer,
 L1 memory cache, LRU, 128-token chunks); ``corekv-shm`` corekv's connector on one node-shared
 memory tier; ``corekv-shm-lmdb`` the same tier above an LMDB store on disk (the recommended
-``examples/configs/vllm.yaml`` where it exists). Until corekv has a ``shm`` tier type, an LMDB
-store under ``/dev/shm`` (tmpfs, ``sync: false``) stands in for it; the JSON says which was used.
+``examples/configs/vllm.yaml``).
 
 Every vLLM process: float32, block size 128 (LMCache's chunk), prefix caching on, the hybrid KV
 cache manager off, ``VLLM_CPU_NUM_OF_RESERVED_CPU=1`` (a KV connector would otherwise make vLLM
@@ -240,19 +239,12 @@ def process_plans(w: dict, max_tokens: int, settle: float) -> tuple[list[dict], 
 
 
 # ============================================================================ the driver
-def shm_tier_available(python: str) -> bool:
-    """Whether the corekv that ``python`` imports has a tier type named ``shm``."""
-    code = "import corekv, sys; sys.exit(0 if 'shm' in corekv.available_plugins()['tiers'] else 1)"
-    return subprocess.run([python, "-c", code], capture_output=True, timeout=120).returncode == 0
-
-
-def corekv_configs(scratch: Path, tag: str, shm: bool, a) -> dict[str, dict]:
+def corekv_configs(scratch: Path, tag: str, a) -> dict[str, dict]:
     """The two corekv columns' configs for one run (fresh store paths under ``tag``)."""
-    memory = ({"type": "shm", "size": a.shm_size, "path": f"/dev/shm/ckv-peer-{tag}"} if shm else
-              {"type": "lmdb", "path": f"/dev/shm/ckv-peer-{tag}", "size": "8GiB", "sync": False})
+    memory = {"type": "shm", "size": a.shm_size, "path": f"/dev/shm/ckv-peer-{tag}"}
     disk = {"type": "lmdb", "path": str(scratch / f"kvstore-vllm-{tag}"), "size": "8GiB", "sync": False}
     vllm_yaml = REPO / "examples" / "configs" / "vllm.yaml"
-    if shm and vllm_yaml.exists() and not a.no_example_config:
+    if not a.no_example_config:
         import yaml
 
         cfg = yaml.safe_load(vllm_yaml.read_text())
@@ -268,7 +260,7 @@ def corekv_configs(scratch: Path, tag: str, shm: bool, a) -> dict[str, dict]:
         shm_lmdb = {"cache": {"tiers": [memory, disk]}}
         source = "built here"
     return {"corekv-shm": {"cache": {"tiers": [memory]}}, "corekv-shm-lmdb": shm_lmdb,
-            "_meta": {"memory_tier": "shm" if shm else "lmdb on /dev/shm (stand-in for the shm tier)",
+            "_meta": {"memory_tier": "shm",
                       "shm_lmdb_source": source, "paths": [memory["path"], disk["path"]]}}
 
 
@@ -623,7 +615,6 @@ def main() -> None:
           f"documents {doc_blocks} blocks", file=sys.stderr, flush=True)
     scratch = Path(tempfile.mkdtemp(prefix="corekv-lmcache-peer-", dir="/tmp"))
     driver = Driver(a, scratch)
-    shm = shm_tier_available(sys.executable)
     result = {"settings": {k: v for k, v in vars(a).items() if k not in ("child", "seeds")} | {"seeds": str(a.seeds)},
               "cpu": runner.cpu_description(), "versions": versions(sys.executable),
               "start": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())}
@@ -634,7 +625,7 @@ def main() -> None:
             per_run, raw_run = {}, {}
             for column in order:
                 tag = f"r{run}"
-                cfgs = corekv_configs(scratch, f"{column}-{tag}", shm, a)
+                cfgs = corekv_configs(scratch, f"{column}-{tag}", a)
                 result["corekv"] = cfgs["_meta"]
                 t0 = time.perf_counter()
                 try:
