@@ -34,7 +34,6 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -49,41 +48,11 @@ from processes import free_port  # noqa: E402  (the tests' helpers: real servers
 from redis_cluster import RedisCluster  # noqa: E402
 from s3_server import FAKE_CREDENTIALS  # noqa: E402
 from seed_documents import add_seeds_argument, read_seeds  # noqa: E402  (benchmarks/ is sys.path[0])
+from corekv_servers import start, stop, wait_healthy  # noqa: E402
 
 QUESTIONS = ["What is the main idea of this text?", "Which component is described first?",
              "Name one trade-off the text mentions.", "Summarise the text in one sentence.",
              "What would you measure first?", "Which term is defined here?"]
-
-
-def start(args: list[str], log: Path, env: dict[str, str]) -> subprocess.Popen:
-    """``corekv ARGS`` in a process of its own, its output appended to ``log``."""
-    with open(log, "ab") as out:
-        return subprocess.Popen([sys.executable, "-m", "corekv.cli", *args], stdout=out,
-                                stderr=subprocess.STDOUT, env=env)
-
-
-def stop(processes: list[subprocess.Popen]) -> None:
-    for p in processes:
-        p.terminate()
-    for p in processes:
-        try:
-            p.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            p.kill()
-
-
-def wait_healthy(url: str, process: subprocess.Popen, timeout_s: float) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise RuntimeError(f"{url} exited with {process.returncode}")
-        try:
-            if httpx.get(url + "/health", timeout=1).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.3)
-    raise RuntimeError(f"{url} was not healthy within {timeout_s:.0f} s")
 
 
 def documents(seed_text: str, num_docs: int, doc_chars: int) -> list[str]:

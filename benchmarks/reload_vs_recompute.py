@@ -62,6 +62,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 from processes import free_port  # noqa: E402  (the tests' helpers: real servers on loopback)
 from redis_cluster import RedisCluster  # noqa: E402
 from redis_server import RedisServer  # noqa: E402
+from peers import runner  # noqa: E402  (benchmarks/ is sys.path[0])
 from s3_server import FAKE_CREDENTIALS  # noqa: E402
 from seed_documents import add_seeds_argument, read_seeds  # noqa: E402  (benchmarks/ is sys.path[0])
 
@@ -73,20 +74,11 @@ TARGET = 1.10
 
 
 def cpu_description() -> str:
-    """Vendor, model (family/model numbers), the vector ISA flags and the CPUs this process may use."""
-    info, flags = {}, set()
-    with open("/proc/cpuinfo") as f:
-        for line in f:
-            key, _, value = line.partition(":")
-            key, value = key.strip(), value.strip()
-            if key in ("vendor_id", "model name", "cpu family", "model") and key not in info:
-                info[key] = value
-            elif key == "flags" and not flags:
-                flags = set(value.split())
-    isa = [f for f in ("avx2", "avx512f", "avx512_bf16", "amx_tile") if f in flags]
-    return (f"{info.get('vendor_id')} {info.get('model name')} (family {info.get('cpu family')}, model "
-            f"{info.get('model')}), ISA {'/'.join(isa) or 'no AVX2'}, torch {torch.backends.cpu.get_cpu_capability()}, "
-            f"{len(os.sched_getaffinity(0))} CPUs")
+    """Vendor, model (family/model numbers), the vector ISA flags, torch's dispatch and the CPUs
+    this process may use."""
+    cpu = runner.cpu_description()
+    return (f"{cpu['vendor']} {cpu['model']} (family {cpu['family']}, model {cpu['model_number']}), ISA "
+            f"{'/'.join(cpu['isa']) or 'no AVX2'}, torch {torch.backends.cpu.get_cpu_capability()}, {cpu['cpus']} CPUs")
 
 
 def corpus_ids(model, n: int, seed_text: str) -> list[int]:

@@ -25,7 +25,6 @@ import random
 import shlex
 import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -33,6 +32,8 @@ from pathlib import Path
 
 import httpx
 import yaml
+
+from corekv_servers import start, stop, wait_healthy
 
 TOPICS = ["billing", "shipping", "returns", "warranty", "accounts", "security", "pricing", "support"]
 SENTENCES = [
@@ -62,36 +63,6 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def wait_healthy(url: str, process: subprocess.Popen, timeout_s: float) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise RuntimeError(f"{url} exited with {process.returncode}")
-        try:
-            if httpx.get(url + "/health", timeout=1).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.3)
-    raise RuntimeError(f"{url} was not healthy within {timeout_s:.0f} s")
-
-
-def start(args: list[str], log: Path, env: dict[str, str]) -> subprocess.Popen:
-    with open(log, "ab") as out:
-        return subprocess.Popen([sys.executable, "-m", "corekv.cli", *args], stdout=out,
-                                stderr=subprocess.STDOUT, env=env)
-
-
-def stop(processes: list[subprocess.Popen]) -> None:
-    for p in processes:
-        p.terminate()
-    for p in processes:
-        try:
-            p.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            p.kill()
 
 
 async def run_workload(base_url: str, model: str, opts: argparse.Namespace) -> dict:
