@@ -1,6 +1,6 @@
 """``corekv serve`` and ``corekv route`` processes for the benchmarks that run a fleet on one box
 (``routing.py``, ``fleet.py``): started with their output in a log, waited on until healthy,
-stopped."""
+stopped, and the tests' tiny model saved as a folder a server can load."""
 from __future__ import annotations
 
 import subprocess
@@ -42,3 +42,14 @@ def wait_healthy(url: str, process: subprocess.Popen, timeout_s: float) -> None:
             pass
         time.sleep(0.3)
     raise RuntimeError(f"{url} was not healthy within {timeout_s:.0f} s")
+
+
+def tiny_model_folder(folder: Path) -> str:
+    """The tests' tiny random Llama saved under ``folder / "tiny"`` (for ``--tiny`` runs)."""
+    from corekv.engine.tiny_model import make_tiny_llama
+
+    tiny = make_tiny_llama()
+    path = str(folder / "tiny")
+    tiny.model.save_pretrained(path)
+    tiny.tokenizer.save_pretrained(path)
+    return path

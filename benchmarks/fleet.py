@@ -48,7 +48,7 @@ from processes import free_port  # noqa: E402  (the tests' helpers: real servers
 from redis_cluster import RedisCluster  # noqa: E402
 from s3_server import FAKE_CREDENTIALS  # noqa: E402
 from seed_documents import add_seeds_argument, read_seeds  # noqa: E402  (benchmarks/ is sys.path[0])
-from corekv_servers import start, stop, wait_healthy  # noqa: E402
+from corekv_servers import start, stop, tiny_model_folder, wait_healthy  # noqa: E402
 
 QUESTIONS = ["What is the main idea of this text?", "Which component is described first?",
              "Name one trade-off the text mentions.", "Summarise the text in one sentence.",
@@ -231,14 +231,7 @@ def main() -> int:
     results, rows = {}, []
     with tempfile.TemporaryDirectory(prefix="corekv-fleet-") as tmp:
         folder = Path(tmp)
-        model = opts.model
-        if opts.tiny:
-            from corekv.engine.tiny_model import make_tiny_llama
-
-            tiny = make_tiny_llama()
-            model = str(folder / "tiny")
-            tiny.model.save_pretrained(model)
-            tiny.tokenizer.save_pretrained(model)
+        model = tiny_model_folder(folder) if opts.tiny else opts.model
         for shared in fleets:
             stores: dict = {}
             moto = cluster = None

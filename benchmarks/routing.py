@@ -33,7 +33,7 @@ from pathlib import Path
 import httpx
 import yaml
 
-from corekv_servers import start, stop, wait_healthy
+from corekv_servers import start, stop, tiny_model_folder, wait_healthy
 
 TOPICS = ["billing", "shipping", "returns", "warranty", "accounts", "security", "pricing", "support"]
 SENTENCES = [
@@ -183,14 +183,7 @@ def main() -> int:
         parser.error(f"--policies: got {opts.policies!r}; expected cache_aware and/or round_robin")
     with tempfile.TemporaryDirectory(prefix="corekv-routing-") as tmp:
         folder = Path(tmp)
-        model = opts.model
-        if opts.tiny:
-            from corekv.engine.tiny_model import make_tiny_llama
-
-            tiny = make_tiny_llama()
-            model = str(folder / "tiny")
-            tiny.model.save_pretrained(model)
-            tiny.tokenizer.save_pretrained(model)
+        model = tiny_model_folder(folder) if opts.tiny else opts.model
         rows = {}
         for policy in policies:
             print(f"running {policy} ...", file=sys.stderr, flush=True)

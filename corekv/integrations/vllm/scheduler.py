@@ -124,6 +124,7 @@ class SchedulerSide:
                                "lmdb, redis or fsspec tiers with vLLM's multiprocess executor)", unseen)
             tiers = [t for t in tiers if t.is_shared]
         self.tiers = tiers
+        self._tier_index = {tier.name: i for i, tier in enumerate(tiers)}  # the worker's timings name tiers
         #: corekv's reload cost model (``cache.reload_policy``, ``cache.max_load_tokens``), fed with
         #: the timings the worker reports
         self.cost = ReloadCost([t.name for t in tiers], self.block_size, policy=settings.cache.reload_policy,
@@ -304,10 +305,9 @@ class SchedulerSide:
             for h in hashes:
                 self._event_fields.pop(h, None)
         self.planner.completed(report.done)
-        index = {tier.name: i for i, tier in enumerate(self.tiers)}
         for name, num_blocks, seconds in report.load_timings:
-            if name in index:
-                self.cost.observe_load(index[name], num_blocks, seconds)
+            if name in self._tier_index:
+                self.cost.observe_load(self._tier_index[name], num_blocks, seconds)
         for num_tokens, seconds in report.step_timings:
             self.cost.observe_step(num_tokens, seconds)
         for req_id, num_blocks in report.load_failures.items():
