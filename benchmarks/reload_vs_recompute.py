@@ -12,7 +12,8 @@ computed; ``max_tokens=1``, so TTFT is the request's whole time (``RequestOutput
 Per prefix size, one engine with the tiers ``host``, ``lmdb``, ``redis``, ``cluster``, ``s3`` in
 that order: LMDB in a temporary directory (``sync: false``); a redis-server, a 6-node Redis Cluster
 (3 primaries, 3 replicas) and moto's S3 server, each started on free loopback ports by the tests'
-helpers (tests/redis_server.py, tests/redis_cluster.py, moto's ``ThreadedMotoServer``); device
+helpers (tests/redis_server.py, tests/redis_cluster.py) and ``moto_server`` in a process of its own
+(in this process its request handling would share the GIL with the engine's steps); device
 pool = the prompt's blocks + 8. The engine is built with ``reload_policy: cost``, so each tier is
 measured when it opens (the cost model's seed); "off" sets the same engine's cost model to
 ``always`` for the request, "on" back to ``cost``, so both use one engine, one set of stores and
@@ -130,22 +131,17 @@ class Stores:
     """The remote stores of a run, started once: a redis-server, a Redis Cluster, moto's S3."""
 
     def __init__(self, workdir: str):
-        import logging
-
-        from moto.server import ThreadedMotoServer
-
-        logging.getLogger("werkzeug").setLevel(logging.ERROR)  # NOTE: one log line per request
-
         os.environ.update(FAKE_CREDENTIALS)
         os.environ["AWS_EC2_METADATA_DISABLED"] = "true"
         for name in ("redis", "cluster"):
             os.makedirs(os.path.join(workdir, name), exist_ok=True)
         self.redis = RedisServer(os.path.join(workdir, "redis")).start()
         self.cluster = RedisCluster(os.path.join(workdir, "cluster")).start()
-        self.s3_endpoint = f"http://127.0.0.1:{free_port()}"
-        self.moto = ThreadedMotoServer(ip_address="127.0.0.1", port=int(self.s3_endpoint.rsplit(":", 1)[1]),
-                                       verbose=False)
-        self.moto.start()
+        port = free_port()
+        self.s3_endpoint = f"http://127.0.0.1:{port}"
+        self.moto = runner.start([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+                                 env=dict(os.environ), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        runner.wait_ready(lambda: _listening(port), self.moto, timeout_s=60, what="moto_server")
 
     def tier_configs(self, workdir: str, tier_bytes: int) -> tuple[TierConfig, ...]:
         """Fresh, empty stores for one prefix size."""
@@ -170,9 +166,16 @@ class Stores:
                     "timeout": 30.0}))
 
     def stop(self) -> None:
-        self.moto.stop()
+        runner.stop(self.moto)
         self.cluster.stop()
         self.redis.stop()
+
+
+def _listening(port: int) -> bool:
+    import socket
+
+    with socket.socket() as s:
+        return s.connect_ex(("127.0.0.1", port)) == 0
 
 
 def resident_bytes(path: str) -> str:
