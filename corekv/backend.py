@@ -30,10 +30,13 @@ class PinLimitError(CoreKVError, ValueError):
 
 @dataclass(frozen=True)
 class EvictedBlock:
-    """A cached block whose device slot is about to be reused (offered for write-back)."""
+    """A cached block whose device slot is about to be reused (offered for write-back), with its
+    eviction priority (:meth:`PrefixCacheBackend.block_priority`), which the tiers it is written
+    to keep for their ``priority`` policy."""
 
     block_hash: BlockHash
     block_id: int
+    priority: int = 0
 
 
 @dataclass(frozen=True)
@@ -175,6 +178,14 @@ class PrefixCacheBackend(ABC):
     @abstractmethod
     def block_hash(self, block_id: int) -> BlockHash | None:
         """The hash of the prefix block ``block_id`` caches, or ``None`` if it caches none."""
+
+    def block_priority(self, block_id: int) -> int:
+        """The eviction priority of the prefix block ``block_id`` caches: the highest
+        ``PrefixKey.priority`` of the requests that cached or hit it (0 by default, and for a
+        backend that keeps none). Tiers take it with the block (``Tier.put``'s ``priorities``)
+        and :class:`EvictedBlock` carries it, so a tier's ``priority`` policy keeps what
+        high-priority requests used, as the backend's does."""
+        return 0
 
     @abstractmethod
     def take_events(self) -> list[BlockEvent]:

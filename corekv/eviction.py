@@ -7,7 +7,8 @@ attributes (:class:`EntryStats` has them, and so does the radix tree's node):
 - ``last_access``: logical time of the last use (larger is more recent);
 - ``num_hits``: uses since it was stored;
 - ``priority``: the highest priority of a request that stored or hit it (``PrefixKey.priority``,
-  0 by default; tiers see no requests, so theirs stays 0);
+  0 by default); a tier sees no requests and keeps the highest priority its entry was written
+  with (the backend's, carried by ``EvictedBlock`` and ``Tier.put``'s ``priorities``);
 - ``created``: logical time it was stored.
 
 Who asks:
@@ -19,8 +20,8 @@ Who asks:
   (:class:`HeapQueue`, O(log n) per change); LRU's is an ordered dict (:class:`LRUQueue`, O(1)),
   the queue these structures had before eviction was a seam, so the default behaves exactly as
   before;
-- persistent tiers (``lmdb``, ``shm``) keep the fields in their store (the ``access`` record) and
-  sort by ``key`` when they evict.
+- persistent tiers (``lmdb``, ``shm``) keep the fields in their store (the ``access`` and
+  ``stats`` records) and sort by ``key`` when they evict.
 
 Builtin policies (``lru``, ``lfu``, ``priority``) are registered by :mod:`corekv.plugins.eviction`
 through ``corekv_register_eviction_policies``, as a third-party policy is; a structure built with
@@ -344,8 +345,9 @@ class LFU(EvictionPolicy):
 
 class Priority(EvictionPolicy):
     """Lowest priority first, ties least recently used first. An entry's priority is the highest
-    of the requests that stored or hit it (``PrefixKey.priority``); where nothing carries one (a
-    tier below the device), every entry is 0 and this is LRU."""
+    of the requests that stored or hit it (``PrefixKey.priority``); in a tier below the device,
+    the highest its block was written with (the backend's priority of the block when it was
+    offloaded). Where no request carries one, every entry is 0 and this is LRU."""
 
     name = "priority"
     key = staticmethod(attrgetter("priority", "last_access"))

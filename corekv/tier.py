@@ -84,7 +84,9 @@ class Tier(ABC):
     (other processes or machines see the same entries), ``supports_ttl``, ``supports_listing``
     (``keys()`` works), ``supports_swap`` (swap preemption may park sequences' blocks here: a
     memory store that gives back exactly the bytes put, fast enough to write on the step's thread,
-    and ``delete`` works; ``load_config`` reads it from the spec's factory, the tier class).
+    and ``delete`` works; ``load_config`` reads it from the spec's factory, the tier class),
+    ``keeps_priorities`` (the store records each entry's eviction priority for its eviction
+    policy: ``put`` then hands ``_write_entries`` the items' priorities, see there).
     """
 
     is_persistent = False
@@ -92,6 +94,7 @@ class Tier(ABC):
     supports_ttl = False
     supports_listing = False
     supports_swap = False
+    keeps_priorities = False
 
     def __init__(self, *, block_bytes: int, fingerprint: bytes, dtype: str = "uint8",
                  shape: Sequence[int] | None = None, name: str | None = None):
@@ -237,20 +240,33 @@ class Tier(ABC):
             self._stats["bytes_read"] += num_hits * self.block_bytes
         return hits
 
-    def put(self, items: Sequence[tuple[BlockHash, Any]]) -> int:
+    def put(self, items: Sequence[tuple[BlockHash, Any]], priorities: Sequence[int] | None = None) -> int:
         """Store ``(key, payload)`` pairs; returns how many are stored (or were already).
 
         A tier that is full, down or unable to take an item skips it and counts a skip.
+
+        :param priorities: per item, the eviction priority of its block (the highest of the
+            requests that cached or hit it on the device; ``None``: all 0). A tier that
+            ``keeps_priorities`` records them for its eviction policy (``priority`` evicts the
+            lowest first); the others ignore them.
         """
         if not isinstance(items, Sequence) or isinstance(items, (bytes, str)):
             raise TypeError(f"items must be a sequence of (key, payload) pairs, got {type(items).__name__}")
         self._check_keys([item[0] for item in items], "items[i][0]")
+        if priorities is not None and len(priorities) != len(items):
+            raise ValueError(f"priorities has {len(priorities)} values for {len(items)} items; pass "
+                             "one int per item, or None")
         encoded = [(key, (self.codec.header(key, payload), payload)) for key, payload in items]
         if not encoded:
             return 0
         with self._lock:
             self._check_open()
-            num_stored = self._write_entries(encoded)
+            # NOTE: all-0 priorities (the default) take the plain call, so a store that keeps
+            # them pays nothing for requests that carry none
+            if self.keeps_priorities and priorities is not None and any(priorities):
+                num_stored = self._write_entries(encoded, list(priorities))
+            else:
+                num_stored = self._write_entries(encoded)
             self._stats["skips"] += len(encoded) - num_stored
         return num_stored
 
@@ -346,7 +362,11 @@ class Tier(ABC):
         """Store each key's entry, given as buffers to concatenate (header, payload); return
         the number stored or already present. Count what only the store knows in
         ``self._stats``: ``puts`` and ``bytes_written`` (entries newly written), ``evictions``,
-        ``errors`` (the store failed; the item is then not counted as stored)."""
+        ``errors`` (the store failed; the item is then not counted as stored).
+
+        A tier that ``keeps_priorities`` takes a second argument, ``priorities`` (one int per
+        item, not all 0; omitted: all 0), and keeps per key the highest it was written with.
+        """
 
     @abstractmethod
     def _contains_entries(self, keys: list[BlockHash]) -> list[bool]:

@@ -239,7 +239,8 @@ class RadixTreeOps:
                 if gone == len(parent.children):
                     heapq.heappush(heap, (order(parent), parent.serial, parent))
         if self._on_evict is not None:
-            self._on_evict([EvictedBlock(h, b) for n in victims for h, b in zip(n.hashes, n.value)])
+            self._on_evict([EvictedBlock(h, b, n.priority)
+                            for n in victims for h, b in zip(n.hashes, n.value)])
         child_key, free, leaves = self._child_key, self._free, self._evictable_leaves
         for node in victims:
             parent = node.parent

@@ -48,6 +48,9 @@ class HashBlockBackend(PrefixCacheBackend):
         self._ref = [0] * num_blocks
         self._block_hash: list[BlockHash | None] = [None] * num_blocks
         self._hash_to_block: dict[BlockHash, int] = {}
+        #: per cached block, its eviction priority for the tiers (:meth:`block_priority`); 0 for
+        #: the others
+        self._priority = [0] * num_blocks
         # NOTE: LRU's queue is an OrderedDict keyed by block id, not an intrusive linked list: it
         # gives the same O(1) pop-from-head, append and removal from the middle (a hit touched out
         # of the queue), but every step runs in C, whereas a Python-level list costs several
@@ -108,13 +111,14 @@ class HashBlockBackend(PrefixCacheBackend):
             return block_ids
         block_ids = empty[:]
         empty.clear()
-        block_hash, hash_to_block = self._block_hash, self._hash_to_block
+        block_hash, hash_to_block, priority = self._block_hash, self._hash_to_block, self._priority
         evicted: list[EvictedBlock] = []
         for b in idle.pop_many(num_reused):
             h = block_hash[b]
             del hash_to_block[h]
             block_hash[b] = None
-            evicted.append(EvictedBlock(h, b))
+            evicted.append(EvictedBlock(h, b, priority[b]))
+            priority[b] = 0
             block_ids.append(b)
         for b in block_ids:
             ref[b] = 1
@@ -153,6 +157,8 @@ class HashBlockBackend(PrefixCacheBackend):
             # nothing for them
             self._idle.store_many([b for b, h in zip(block_ids, hashes) if block_hash[b] == h],
                                   key.priority)
+        if key.priority:   # NOTE: only then: requests of the default priority pay nothing
+            self._raise_priority(block_ids, hashes, stored, key.priority)
         if stored and self.record_events:
             self._record_stored(key, stored)
 
@@ -204,6 +210,10 @@ class HashBlockBackend(PrefixCacheBackend):
         self._check_ids("block_id", [block_id])
         return self._block_hash[block_id]
 
+    def block_priority(self, block_id: int) -> int:
+        self._check_ids("block_id", [block_id])
+        return self._priority[block_id]
+
     def ref_count(self, block_id: int) -> int:
         """References held on ``block_id`` (requests and pins)."""
         self._check_ids("block_id", [block_id])
@@ -222,6 +232,7 @@ class HashBlockBackend(PrefixCacheBackend):
             self._events.append(BlockEvent("removed", tuple(self._hash_to_block), is_cleared=True))
         self._hash_to_block.clear()
         self._block_hash = [None] * self.num_blocks
+        self._priority = [0] * self.num_blocks
         self._empty = list(range(self.num_blocks - 1, -1, -1))
         self._idle.clear()
         self._pins.clear()
@@ -242,12 +253,25 @@ class HashBlockBackend(PrefixCacheBackend):
                 for e in evicted:
                     self._block_hash[e.block_id] = e.block_hash
                     self._hash_to_block[e.block_hash] = e.block_id
+                    self._priority[e.block_id] = e.priority
                 self._idle.unpop_many([e.block_id for e in evicted])
                 self._empty.extend(block_ids[:len(block_ids) - len(evicted)])
                 raise
         self.num_evicted_blocks += len(evicted)
         if self.record_events:
             self._events.append(BlockEvent("removed", tuple(e.block_hash for e in evicted)))
+
+    def _raise_priority(self, block_ids: Sequence[int], hashes: Sequence[BlockHash], stored: list[int],
+                        priority: int) -> None:
+        """The blocks that cache ``hashes`` take ``priority``: newly ``stored`` ones (indexes)
+        as theirs, the others if it is higher (a block's priority is the highest of the
+        requests that cached or hit it, the rule of the eviction queue's ``store_many``)."""
+        prio, block_hash = self._priority, self._block_hash
+        for i in stored:
+            prio[block_ids[i]] = priority
+        for b, h in zip(block_ids, hashes):
+            if block_hash[b] == h and priority > prio[b]:
+                prio[b] = priority
 
     def _record_stored(self, key: PrefixKey, stored: list[int]) -> None:
         """One ``"stored"`` event per contiguous run of ``stored`` (block indexes of ``key``):

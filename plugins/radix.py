@@ -248,6 +248,10 @@ class RadixBackend(RadixTreeOps, PrefixCacheBackend):
             return None
         return node.hashes[node.value.index(block_id)]
 
+    def block_priority(self, block_id: int) -> int:
+        node = self._cached_node(block_id)
+        return 0 if node is None else node.priority
+
     def ref_count(self, block_id: int) -> int:
         """References held on ``block_id`` (requests and pins)."""
         node = self._cached_node(block_id)

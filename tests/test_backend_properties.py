@@ -11,7 +11,9 @@ and unpins run on pools of random size. After every step:
   (so it is never negative and never owned twice); pinned runs stay cached;
 * the radix tree's structure holds: every live node hangs below a live parent (only leaves were
   ever evicted), ``lock_ref`` is the sum of ``ref`` over the subtree, and the evictable leaves are
-  exactly the unlocked ones.
+  exactly the unlocked ones;
+* every evicted block carries the priority of a request that cached or hit it since it was last
+  evicted (the tiers keep it), never more than the highest of them.
 
 Every eviction policy runs the same streams (requests carry random priorities), so no policy's
 order can break these invariants.
@@ -72,6 +74,14 @@ class Model:
         self.running: list[list[int]] = []
         self.pins: list[tuple] = []               # (identity, key, run)
         self.serial = 0
+        #: block hash -> priorities of the requests that cached or hit it since it was last evicted
+        self.priorities: dict[bytes, set[int]] = {}
+        backend.on_evict = self.evicted
+
+    def evicted(self, blocks):
+        for e in blocks:
+            assert e.priority in self.priorities.pop(e.block_hash), \
+                "an evicted block carries a priority no request that used it had"
 
     def request(self, salt, toks, priority=0):
         b, bs = self.b, self.bs
@@ -100,6 +110,8 @@ class Model:
             self.memory[block] = (salt, tuple(toks[:(j + 1) * bs])) if full else ("partial", self.serial)
         table = hit + fresh
         b.cache(key, table[:key.num_full_blocks])
+        for h in key.block_hashes:
+            self.priorities.setdefault(h, set()).add(priority)
         self.cached[salt].append(tuple(toks))
         self.running.append(table)
 

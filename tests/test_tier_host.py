@@ -19,6 +19,11 @@ class TestHostTierLFU(TestHostTier):
     eviction = "lfu"
 
 
+class TestHostTierPriority(TestHostTier):
+    """Priorities live in the eviction queue's per-entry stats."""
+    eviction = "priority"
+
+
 def small_host(num_slots, block_bytes=256):
     return HostTier(size=num_slots * (block_bytes + HEADER_SIZE), block_bytes=block_bytes, fingerprint=b"m")
 

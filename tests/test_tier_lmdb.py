@@ -1,10 +1,12 @@
 """The lmdb tier: real LMDB files in tmp_path, real processes sharing and crashing on them."""
 import os
 import signal
+import struct
 import subprocess
 import sys
 import textwrap
 
+import lmdb
 import pytest
 
 from corekv.errors import ConfigError
@@ -26,6 +28,11 @@ class TestLMDBTier(TierTests):
 class TestLMDBTierLFU(TestLMDBTier):
     """LFU reads hit counts from the store's ``stats`` records (written with the access stamps)."""
     eviction = "lfu"
+
+
+class TestLMDBTierPriority(TestLMDBTier):
+    """Priorities live in the store's ``stats`` records, beside the hits."""
+    eviction = "priority"
 
 
 class TestLMDBAdmin(StoreAdminTests):
@@ -104,6 +111,39 @@ def test_lru_eviction_keeps_recently_read_blocks(tmp_path):
         assert tier.used_bytes <= 0.9 * tier.capacity_bytes
         assert tier.get_one(keys[0]) is not None, "the hot block was evicted"
         assert tier.get_one(keys[1]) is None, "a cold old block was kept"
+
+
+def test_a_stats_record_written_before_priorities_reads_as_priority_0(tmp_path):
+    """Stores written by a corekv before priorities hold 12-byte ``<QI`` stats records (stored
+    at, hits): they read as priority 0, a hit rewrites them in the new format, and eviction
+    under ``priority`` orders them among the new ones."""
+    paid, old = make_keys(2, salt="paid"), make_keys(2, salt="old")
+    with open_tier(tmp_path, size=600 * 1024, eviction="priority") as tier:
+        tier.put([(k, block_payload(k, 4096)) for k in paid], priorities=[5, 5])
+        tier.put([(k, block_payload(k, 4096)) for k in old])
+    env = lmdb.open(str(tmp_path), max_dbs=3, subdir=True)
+    with env.begin(write=True) as txn:   # what the older corekv wrote for the old entries
+        stats = env.open_db(b"stats", txn=txn)
+        old_db_keys = [k for k, _ in txn.cursor(db=stats) if k.endswith(tuple(old))]
+        assert len(old_db_keys) == 2
+        for db_key in old_db_keys:
+            stored_at, _, _ = struct.unpack("<QIi", txn.get(db_key, db=stats))
+            txn.put(db_key, struct.pack("<QI", stored_at, 3), db=stats)
+    env.close()
+    with open_tier(tmp_path, size=600 * 1024, eviction="priority") as tier:
+        assert tier.get_one(old[0]) is not None   # a hit on an old record: flushed at close
+    env = lmdb.open(str(tmp_path), max_dbs=3, subdir=True)
+    with env.begin() as txn:
+        records = {k: v for k, v in txn.cursor(db=env.open_db(b"stats", txn=txn)) if k in old_db_keys}
+    env.close()
+    assert sorted(len(v) for v in records.values()) == [12, 16]
+    rewritten = next(v for v in records.values() if len(v) == 16)
+    assert struct.unpack("<QIi", rewritten)[1:] == (4, 0)   # its hits kept, priority 0
+    with open_tier(tmp_path, size=600 * 1024, eviction="priority") as tier:
+        for key in make_keys(200, salt="fill"):   # priority 1: above the old entries, below paid
+            tier.put([(key, block_payload(key, 4096))], priorities=[1])
+        assert tier.stats()["evictions"] > 0 and tier.stats()["errors"] == 0
+        assert [tier.get_one(k) is not None for k in paid + old] == [True, True, False, False]
 
 
 def test_map_full_evicts_and_retries_when_proactive_eviction_is_off(tmp_path):

@@ -42,6 +42,10 @@ class TestShmTierLFU(TestShmTier):
     eviction = "lfu"
 
 
+class TestShmTierPriority(TestShmTier):
+    eviction = "priority"
+
+
 class TestShmAdmin(StoreAdminTests):
     @pytest.fixture(autouse=True)
     def _shm(self, shm_path):

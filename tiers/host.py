@@ -24,6 +24,7 @@ class HostTier(Tier):
     # NOTE: swap parks blocks synchronously on the step's thread and must get the same bytes back;
     # an in-process arena copy is both (an evicted parked block is a miss: recomputed, never wrong)
     supports_swap = True
+    keeps_priorities = True
 
     def __init__(self, *, size: int, block_bytes: int, fingerprint: bytes, dtype: str = "uint8",
                  shape: Sequence[int] | None = None, name: str | None = None,
@@ -93,11 +94,17 @@ class HostTier(Tier):
                 found.append((index, self._rows[slot, :self.slot_lengths[slot]]))
         visit(found)
 
-    def _write_entries(self, items) -> int:
-        for key, parts in items:
+    def _write_entries(self, items, priorities=None) -> int:
+        queue = self._queue
+        for index, (key, parts) in enumerate(items):
+            # NOTE: the queue keeps the highest priority a key was written with (store_many
+            # only raises it): a block's priority is already the highest of the requests that
+            # used it, and a later write from a device that saw fewer of them must not demote it
+            if priorities is not None and priorities[index]:
+                queue.store_many((key,), priorities[index])
             slot = self.key_to_slot.get(key)
             if slot is not None:
-                self._queue.touch(key)
+                queue.touch(key)
                 continue
             slot = self._take_slot()
             row = self._rows[slot]
@@ -110,7 +117,7 @@ class HostTier(Tier):
             # and fails as truncated, instead of as zero padding.
             self.slot_lengths[slot] = offset
             self.key_to_slot[key] = slot
-            self._queue.add(key)
+            queue.add(key)
             self._stats["puts"] += 1
             self._stats["bytes_written"] += offset
         return len(items)
@@ -148,8 +155,8 @@ def corekv_register_tiers() -> list[TierSpec]:
         options={
             "size": Option("size", help="bytes of CPU memory for the arena, e.g. 2GiB", minimum=1),
             "eviction": Option("eviction", default="lru", help=(
-                "which entry a full arena drops first: lru, lfu, a plugin's policy (priority reads "
-                "as lru here: tiers see no request priorities)")),
+                "which entry a full arena drops first: lru, lfu, priority (the lowest priority "
+                "of the requests that used a block first, ties lru), a plugin's policy")),
         },
         description="KV blocks in one preallocated (pinned when CUDA is present) CPU arena, LRU by default",
     )]

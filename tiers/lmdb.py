@@ -3,8 +3,10 @@
 The store's layout is written once, here, for the tier (one model's entries) and its admin view
 (every model's, for ``corekv store``): named DB ``blocks`` maps ``model digest[:6] + block hash``
 to the entry, named DB ``access`` maps the same keys to the last access time, and named DB
-``stats`` maps them to what eviction policies other than LRU read: the time the entry was stored
-and its hits (``<QI``: ns, count; a key without one reads as stored at its last access, never hit).
+``stats`` maps them to what eviction policies other than LRU read: the time the entry was stored,
+its hits and its priority (``<QIi``: ns, count, the highest priority it was written with; a record
+of the 12-byte ``<QI`` format stores wrote before priorities reads as priority 0, and a key without
+a readable one as stored at its last access, never hit, priority 0).
 """
 from __future__ import annotations
 
@@ -26,7 +28,11 @@ from corekv.tiers.lmdb_file import close_lmdb, open_lmdb
 logger = logging.getLogger(__name__)
 _KEY_PREFIX_BYTES = 6
 _BLOCKS_DB, _ACCESS_DB, _STATS_DB = b"blocks", b"access", b"stats"
-_STATS = struct.Struct("<QI")  # stored at (ns), hits
+_STATS = struct.Struct("<QIi")  # stored at (ns), hits, priority
+_STATS_V1 = struct.Struct("<QI")  # stored at (ns), hits: the records of stores written before priorities
+#: the record holds a priority as an i32; one outside is stored clamped (priorities are small
+#: ints in practice, and a clamped one still sorts above or below every other)
+_PRIORITY_RANGE = (-2**31, 2**31 - 1)
 _FLUSH_ACCESS_EVERY = 256
 _EPOCH_KEY = b"\x00corekv-epoch"  # in the access DB; never a block key (those are 22+ bytes)
 
@@ -69,6 +75,7 @@ class LMDBTier(Tier):
     is_persistent = True
     is_shared = True
     supports_listing = True
+    keeps_priorities = True
 
     def __init__(self, *, path: str, size: int, block_bytes: int, fingerprint: bytes,
                  dtype: str = "uint8", shape: Sequence[int] | None = None, name: str | None = None,
@@ -179,7 +186,7 @@ class LMDBTier(Tier):
         if len(self._pending_access) >= _FLUSH_ACCESS_EVERY:
             self._flush_access()
 
-    def _write_entries(self, items) -> int:
+    def _write_entries(self, items, priorities=None) -> int:
         if self.damage is not None:
             return 0
         need = sum(self._pages_for(sum(len(p) for p in parts)) for _, parts in items)
@@ -190,7 +197,7 @@ class LMDBTier(Tier):
                 self._bump_epoch()
             for attempt in range(2):
                 try:
-                    return self._write_txn(items)
+                    return self._write_txn(items, priorities)
                 except lmdb.MapFullError:
                     # NOTE: freed pages are reusable only after the deleting transaction commits
                     # and older readers finish, so a first eviction can still leave the map full.
@@ -201,7 +208,7 @@ class LMDBTier(Tier):
                 logger.warning("tier %s: LMDB map at %s is full even after eviction; skipping "
                                "writes (raise its size)", self.name, self.path)
                 self._is_full_logged = True
-            return self._write_one_by_one(items)
+            return self._write_one_by_one(items, priorities)
         except lmdb.Error as e:
             self._count_error("write", e)
             return 0
@@ -249,7 +256,7 @@ class LMDBTier(Tier):
             self._pending_hits.clear()
             self._count_error("access update", e)
 
-    def _write_txn(self, items) -> int:
+    def _write_txn(self, items, priorities=None) -> int:
         now = time.time_ns().to_bytes(8, "little")
         num_written = num_bytes = 0
         # NOTE: buffers=True: a get then returns a view of the map, not a copy of the whole entry;
@@ -261,17 +268,26 @@ class LMDBTier(Tier):
                 if txn.get(db_key, db=self._blocks) is not None:  # it may have been evicted since
                     txn.put(db_key, stamp.to_bytes(8, "little"), db=self._access)
                     if db_key in hits:
-                        old = txn.get(db_key, db=self._stats_db)
-                        stored_at, num_hits = _STATS.unpack(old) if old is not None else (stamp, 0)
-                        txn.put(db_key, _STATS.pack(stored_at, min(num_hits + hits[db_key], 2**32 - 1)),
-                                db=self._stats_db)
-            for key, parts in items:
+                        stored_at, num_hits, priority = _read_stats(txn.get(db_key, db=self._stats_db), stamp)
+                        txn.put(db_key, _STATS.pack(stored_at, min(num_hits + hits[db_key], 2**32 - 1),
+                                                    priority), db=self._stats_db)
+            for index, (key, parts) in enumerate(items):
                 db_key = self._key_prefix + key
                 entry = parts[0] if len(parts) == 1 else b"".join(parts)
+                priority = 0 if priorities is None else min(max(priorities[index], _PRIORITY_RANGE[0]),
+                                                            _PRIORITY_RANGE[1])
                 if txn.put(db_key, entry, db=self._blocks, overwrite=False):
                     num_written += 1
                     num_bytes += len(entry)
-                    txn.put(db_key, _STATS.pack(int.from_bytes(now, "little"), 0), db=self._stats_db)
+                    txn.put(db_key, _STATS.pack(int.from_bytes(now, "little"), 0, priority), db=self._stats_db)
+                elif priority:
+                    # NOTE: a key keeps the highest priority it was written with (any process's
+                    # write): a block's priority is already the highest of the requests that used
+                    # it, and a write from a device that saw fewer of them must not demote it
+                    stored_at, num_hits, old = _read_stats(txn.get(db_key, db=self._stats_db),
+                                                           int.from_bytes(now, "little"))
+                    if priority > old:
+                        txn.put(db_key, _STATS.pack(stored_at, num_hits, priority), db=self._stats_db)
                 txn.put(db_key, now, db=self._access)
         self._pending_access.clear()
         self._pending_hits.clear()
@@ -279,11 +295,11 @@ class LMDBTier(Tier):
         self._stats["bytes_written"] += num_bytes
         return len(items)
 
-    def _write_one_by_one(self, items) -> int:
+    def _write_one_by_one(self, items, priorities=None) -> int:
         num_stored = 0
-        for item in items:
+        for index, item in enumerate(items):
             try:
-                num_stored += self._write_txn([item])
+                num_stored += self._write_txn([item], None if priorities is None else [priorities[index]])
             except lmdb.MapFullError:
                 break
         return num_stored
@@ -297,13 +313,13 @@ class LMDBTier(Tier):
             if live <= target_bytes:
                 return
             stamped = {bytes(k): int.from_bytes(v, "little") for k, v in txn.cursor(db=self._access)}
-            stats = {bytes(k): _STATS.unpack(v) for k, v in txn.cursor(db=self._stats_db)}
+            stats = {bytes(k): bytes(v) for k, v in txn.cursor(db=self._stats_db)}
             order_key = self.eviction.key
 
             def entry_key(db_key: bytes):
                 last = stamped.get(db_key, 0)
-                stored_at, num_hits = stats.get(db_key, (last, 0))
-                return order_key(EntryStats(last, num_hits, 0, stored_at))
+                stored_at, num_hits, priority = _read_stats(stats.get(db_key), last)
+                return order_key(EntryStats(last, num_hits, priority, stored_at))
 
             # NOTE: the same (key, db_key) sort as before policies were a seam: with LRU the key
             # is the access stamp, so LRU evicts exactly the entries it evicted then.
@@ -426,6 +442,19 @@ def _open_store(path: str, *, size: int, max_readers: int, sync: bool) -> lmdb.E
                      subdir=True, sync=sync, metasync=sync)
 
 
+def _read_stats(record, last_access: int) -> tuple[int, int, int]:
+    """``(stored at, hits, priority)`` of a ``stats`` record. NOTE: a record of the format before
+    priorities (12 bytes) reads as priority 0 and one of any other size (or none) as stored at
+    ``last_access``, never hit, priority 0: a store written by an older corekv, or damaged, only
+    orders eviction worse, it never fails a write."""
+    if record is not None:
+        if len(record) == _STATS.size:
+            return _STATS.unpack(record)
+        if len(record) == _STATS_V1.size:
+            return (*_STATS_V1.unpack(record), 0)
+    return last_access, 0, 0
+
+
 def _delete_db_keys(txn, db_keys, *dbs) -> None:
     """Delete entries and their access stamps and stats (absent keys are ignored) in ``txn``."""
     for db_key in db_keys:
@@ -448,8 +477,8 @@ def corekv_register_tiers() -> list[TierSpec]:
             "evict_high": Option("float", default=0.9, help="evict when this full", minimum=0),
             "evict_low": Option("float", default=0.8, help="evict down to this fraction", minimum=0),
             "eviction": Option("eviction", default="lru", help=(
-                "which entries a full store deletes first: lru, lfu, a plugin's policy (priority "
-                "reads as lru here: tiers see no request priorities)")),
+                "which entries a full store deletes first: lru, lfu, priority (the lowest priority "
+                "of the requests that used a block first, ties lru), a plugin's policy")),
         },
         description="KV blocks in an LMDB file on local disk, LRU by default, shared by the machine's processes",
     )]

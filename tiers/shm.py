@@ -144,8 +144,8 @@ def corekv_register_tiers() -> list[TierSpec]:
             "evict_high": Option("float", default=0.9, help="evict when this full", minimum=0),
             "evict_low": Option("float", default=0.8, help="evict down to this fraction", minimum=0),
             "eviction": Option("eviction", default="lru", help=(
-                "which entries a full store deletes first: lru, lfu, a plugin's policy (priority "
-                "reads as lru here: tiers see no request priorities)")),
+                "which entries a full store deletes first: lru, lfu, priority (the lowest priority "
+                "of the requests that used a block first, ties lru), a plugin's policy")),
         },
         description="KV blocks in shared memory (/dev/shm) that every process on the node sees, LRU by default",
     )]

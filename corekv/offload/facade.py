@@ -204,7 +204,7 @@ class Offload:
         if not offload:
             self.opted_out.update(hashes)
         elif self.planner.is_write_through:
-            self._offload(list(hashes), list(block_ids[start:]))
+            self._offload(list(hashes), list(block_ids[start:]), [key.priority] * len(hashes))
 
     def evicted(self, evicted: list[EvictedBlock]) -> None:
         """Backend callback: ``evicted`` blocks' slots are about to be reused (write-back)."""
@@ -212,7 +212,7 @@ class Offload:
         if self.opted_out:
             self.opted_out.difference_update(e.block_hash for e in evicted)
         if not self.planner.is_write_through and kept:
-            self._offload([e.block_hash for e in kept], [e.block_id for e in kept])
+            self._offload([e.block_hash for e in kept], [e.block_id for e in kept], [e.priority for e in kept])
         self.planner.forget(e.block_hash for e in evicted)
 
     # -- swap preemption ---------------------------------------------------------------------
@@ -243,16 +243,19 @@ class Offload:
         return self.planner.hit_counts
 
     def flush(self, hashes_and_ids: Sequence[tuple[BlockHash, int]] = (), *,
-              tiers: Sequence[Tier] | None = None) -> None:
+              tiers: Sequence[Tier] | None = None, priorities: Sequence[int] | None = None) -> None:
         """Offload the given cached blocks to ``tiers`` (default: all) and wait for every queued
         write. Forced: no ``offload_min_hits`` filter, and the queue bound is kept by writing in
-        batches of ``queue_blocks``."""
+        batches of ``queue_blocks``. ``priorities``: the blocks' eviction priorities (``None``: 0)."""
         targets = self.tiers if tiers is None else list(tiers)
-        items = [(h, b) for h, b in hashes_and_ids if h not in self.opted_out]
+        if priorities is None:
+            priorities = [0] * len(hashes_and_ids)
+        items = [(h, b, p) for (h, b), p in zip(hashes_and_ids, priorities) if h not in self.opted_out]
         if items and targets and self._writer is not None:
             for i in range(0, len(items), self.queue_blocks):
                 batch = items[i:i + self.queue_blocks]
-                self._enqueue([h for h, _ in batch], [b for _, b in batch], tiers=targets)
+                self._enqueue([h for h, _, _ in batch], [b for _, b, _ in batch], targets,
+                              [p for _, _, p in batch])
                 self._writer.join()
         if self._writer is not None:
             self._writer.join()
@@ -266,8 +269,8 @@ class Offload:
             persistent = [t for t in self.tiers if t.is_persistent]
             if persistent and self.backend is not None:
                 backend = self.backend
-                self.flush([(h, b) for b in range(backend.num_blocks) if (h := backend.block_hash(b)) is not None],
-                           tiers=persistent)
+                cached = [(h, b) for b in range(backend.num_blocks) if (h := backend.block_hash(b)) is not None]
+                self.flush(cached, tiers=persistent, priorities=[backend.block_priority(b) for _, b in cached])
             else:
                 self.flush()
         finally:
@@ -336,16 +339,18 @@ class Offload:
         if tier_index > 0 and self.planner.is_write_through and self._writer is not None:
             self._writer.submit(keys, snapshot, self.tiers[:tier_index])
 
-    def _offload(self, hashes: list[BlockHash], block_ids: list[int]) -> None:
+    def _offload(self, hashes: list[BlockHash], block_ids: list[int], priorities: list[int]) -> None:
         keep = self.planner.qualifying(hashes)
         if keep:
-            self._enqueue([hashes[i] for i in keep], [block_ids[i] for i in keep], tiers=self.tiers)
+            self._enqueue([hashes[i] for i in keep], [block_ids[i] for i in keep], self.tiers,
+                          [priorities[i] for i in keep])
 
-    def _enqueue(self, hashes: Sequence[BlockHash], block_ids: Sequence[int], tiers: list[Tier]) -> None:
+    def _enqueue(self, hashes: Sequence[BlockHash], block_ids: Sequence[int], tiers: list[Tier],
+                 priorities: Sequence[int]) -> None:
         # NOTE: the snapshot is taken now, on the caller's thread (only if the queue has room):
         # the slot may be overwritten as soon as we return.
         if self._writer is not None:
-            self._writer.submit(hashes, lambda: snapshot_blocks(self.kv_pool, block_ids), tiers)
+            self._writer.submit(hashes, lambda: snapshot_blocks(self.kv_pool, block_ids), tiers, priorities)
 
 
 class _Chain:

@@ -31,7 +31,10 @@ OnDone = Callable[[list[BlockHash], str], None]
 
 
 class OffloadWriter:
-    """Writes ``(hashes, snapshot, tiers)`` batches to every listed tier that lacks them.
+    """Writes ``(hashes, snapshot, tiers, priorities)`` batches to every listed tier that lacks
+    them (``priorities``: the blocks' eviction priorities, handed to ``Tier.put``; a tier that
+    ``keeps_priorities`` and holds a block already gets a block of nonzero priority again, for
+    the priority alone).
 
     Invariants: the queue holds at most ``queue_blocks`` blocks, or one batch if that batch
     alone is larger; ``num_queued_blocks`` counts the blocks submitted and not yet finished
@@ -59,9 +62,10 @@ class OffloadWriter:
         self._thread.start()
 
     def submit(self, hashes: Sequence[BlockHash], snapshot: Callable[[], torch.Tensor],
-               tiers: Sequence[Tier]) -> bool:
+               tiers: Sequence[Tier], priorities: Sequence[int] | None = None) -> bool:
         """Queue ``hashes`` for ``tiers``; ``snapshot()`` (called now, only if there is room)
-        returns their bytes as a CPU tensor, one row per block. False: skipped (queue full)."""
+        returns their bytes as a CPU tensor, one row per block; ``priorities``: one per block
+        (``None``: all 0). False: skipped (queue full)."""
         with self._lock:
             # NOTE: an empty queue takes any one batch, even past the bound: one eviction batch
             # is at most the pool, and dropping it whole would keep long prefixes (a 4K prompt
@@ -76,7 +80,8 @@ class OffloadWriter:
             self._report(hashes, "skipped")
             return False
         try:
-            item = (list(hashes), snapshot(), list(tiers))
+            item = (list(hashes), snapshot(), list(tiers),
+                    [0] * len(hashes) if priorities is None else list(priorities))
         except BaseException:
             self._done(len(hashes))  # never queued: give its room back
             self._report(hashes, "failed")
@@ -118,22 +123,32 @@ class OffloadWriter:
             if item is _STOP:
                 self._queue.task_done()
                 return
-            hashes, snapshot, tiers = item
+            hashes, snapshot, tiers, priorities = item
             unreported = set(range(len(hashes)))
             try:
                 payload = snapshot.contiguous().view(torch.uint8).reshape(len(hashes), -1).numpy()
                 for tier in tiers:
+                    def put(rows: list[int]) -> int:
+                        return safe_tier_call(lambda: tier.put([(hashes[i], payload[i]) for i in rows],
+                                                               [priorities[i] for i in rows]), 0, tier, "put")
+
                     present = safe_tier_call(lambda: tier.contains_many(hashes), [False] * len(hashes),
                                              tier, "contains_many")
                     missing = [i for i, is_present in enumerate(present) if not is_present]
                     stored = 0
                     if missing:
-                        stored = safe_tier_call(lambda: tier.put([(hashes[i], payload[i]) for i in missing]),
-                                                0, tier, "put")
+                        stored = put(missing)
                         self.counters[f"{tier.name}.offloaded"] += stored
                         if stored and self.hooks is not None:
                             self.hooks.corekv_on_blocks_offloaded(tier=tier.name,
                                                                   block_hashes=[hashes[i] for i in missing])
+                    # NOTE: a block the tier holds is put again only when it carries a priority:
+                    # its bytes are not written twice, but the tier raises the entry's priority
+                    # to the highest it was written with, so a prefix written by a low-priority
+                    # request and later reloaded and used by a high-priority one is kept as such
+                    raised = [i for i, is_present in enumerate(present) if is_present and priorities[i]]
+                    if raised and tier.keeps_priorities:
+                        put(raised)
                     # NOTE: reported as soon as one tier holds them (the first, fastest, usually):
                     # a lookup waiting on them can load from there while lower tiers are written.
                     held = [i for i, is_present in enumerate(present) if is_present]

@@ -269,6 +269,24 @@ class BackendTests:
         assert sorted(seen) == sorted(hashes.items()) and sorted(fresh) == sorted(hashes)
         assert all(b.block_hash(i) is None for i in fresh)
 
+    def test_evicted_blocks_carry_the_highest_priority_that_used_them(self):
+        # NOTE: under every policy, LRU included: the tiers below keep the priority for theirs
+        b, bs = self.backend(4), self.block_size
+        if type(b).block_priority is PrefixCacheBackend.block_priority:
+            pytest.skip(f"{type(b).__name__} keeps no priorities (block_priority is the base's 0)")
+        shared = tokens(2 * bs, start=100)
+        Request(b, shared + [1], priority=2).finish()
+        Request(b, shared + [2], priority=7).finish()   # a hit raises it
+        Request(b, shared + [3], priority=1).finish()   # a lower one does not lower it
+        key = make_key(shared, bs)
+        assert [b.block_priority(i) for i in b.match(key)] == [7, 7]
+        seen = []
+        b.on_evict = seen.extend
+        assert b.allocate(4) is not None
+        shared_seen = [e for e in seen if e.block_hash in key.block_hashes]
+        assert {e.block_hash: e.priority for e in shared_seen} == dict.fromkeys(key.block_hashes, 7)
+        assert b.block_priority(shared_seen[0].block_id) == 0   # the slot's new content has none yet
+
     def test_events_report_stored_then_removed_hashes(self):
         b, bs = self.backend(2), self.block_size
         r = Request(b, tokens(2 * bs))

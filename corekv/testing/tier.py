@@ -11,8 +11,10 @@ Usage (a third-party tier does exactly what corekv's own tests do)::
 ``make_tier`` must return a fresh, empty tier holding at least ``min_capacity_blocks`` blocks of
 ``block_bytes``; the suite closes it. A tier that takes an eviction policy passes the class
 attribute ``eviction`` to it; subclass once per policy (``eviction = "lfu"``) so every policy runs
-the whole suite, with the LFU order test run only under ``lfu``. Tampering tests write raw entries through the tier's own
-primitives (``_delete_entries`` then ``_write_entries``), so they work for any store.
+the whole suite, with the LFU and priority order tests run only under ``lfu`` and ``priority``
+(the priority one only for a tier that ``keeps_priorities``). Tampering tests write raw entries
+through the tier's own primitives (``_delete_entries`` then ``_write_entries``), so they work for
+any store.
 
 It stays one module past ~350 lines because it is one suite that a tier must pass whole: split
 into several, a tier's tests would have to subclass each part and could miss one.
@@ -346,6 +348,37 @@ class TierTests:
         assert tier.stats()["evictions"] > 0
         assert bytes(tier.get_one(hot)) == block_payload(hot, self.block_bytes), "LFU evicted the hot entry"
         assert tier.get_one(cold[0]) is None   # the first cold entry went: what LRU evicts first
+
+    def test_priority_keeps_the_high_priority_entries_through_any_number_of_writes(self, tier):
+        if self.eviction != "priority":
+            pytest.skip("an order test of the priority policy")
+        if not tier.keeps_priorities:
+            pytest.skip(f"{type(tier).__name__} does not keep priorities (keeps_priorities=False)")
+        if tier.capacity_bytes is None:
+            pytest.skip(f"{type(tier).__name__} has no capacity of its own")
+        n = 3 * tier.capacity_bytes // tier.codec.entry_bytes + 3
+        if n > 5000:
+            pytest.skip(f"make_tier's capacity ({tier.capacity_bytes} bytes) is too big to fill here")
+        paid = make_keys(2, salt="paid")   # the oldest entries: the first LRU would evict
+        tier.put([(k, block_payload(k, self.block_bytes)) for k in paid], priorities=[5, 0])
+        tier.put([(paid[1], block_payload(paid[1], self.block_bytes))], priorities=[5])  # raised
+        tier.put([(paid[0], block_payload(paid[0], self.block_bytes))], priorities=[1])  # kept at 5
+        free = make_keys(n, salt="free")
+        for key in free:
+            tier.put([(key, block_payload(key, self.block_bytes))], priorities=[0])
+        assert tier.stats()["evictions"] > 0
+        for key in paid:
+            assert bytes(tier.get_one(key)) == block_payload(key, self.block_bytes), \
+                "priority evicted an entry written at priority 5 before ones written at 0"
+        assert tier.get_one(free[0]) is None   # among equals, the least recently used went first
+
+    def test_put_takes_one_priority_per_item(self, tier):
+        keys = make_keys(2, salt="priorities")
+        items = [(k, block_payload(k, self.block_bytes)) for k in keys]
+        with pytest.raises(ValueError, match="priorities has 1 values for 2 items"):
+            tier.put(items, priorities=[3])
+        assert tier.put(items, priorities=[3, 0]) == 2   # a tier that keeps none ignores them
+        assert [bytes(p) for p in tier.get(keys)] == [payload for _, payload in items]
 
     def test_usage_grows_with_entries(self, tier):
         before = tier.num_entries

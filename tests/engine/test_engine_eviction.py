@@ -56,3 +56,37 @@ def test_a_priority_must_be_an_int(tiny_llama, bad):
     with make_engine(tiny_llama, "priority", "radix") as engine:
         with pytest.raises(TypeError, match="^priority"):
             engine.generate(prompt(10), GREEDY, priority=bad)
+
+
+@pytest.mark.parametrize("backend", ["radix", "hash_blocks"])
+@pytest.mark.parametrize("kind", ["host", "lmdb"])
+@pytest.mark.parametrize("eviction, is_paid_kept", [("lru", False), ("priority", True)])
+def test_a_high_priority_prefix_outlives_newer_ones_in_a_tier_only_under_the_priority_policy(
+        tiny_llama, tmp_path, backend, kind, eviction, is_paid_kept):
+    """Blocks take their priority from the device into the tier (``EvictedBlock.priority``
+    through the offload writer to ``Tier.put``): under ``priority`` a full tier drops the
+    unpaid prefix and keeps the paid one, under LRU it drops both (the oldest)."""
+    from tier_helpers import make_engine as make_tier_engine, tier_config
+    from corekv.block_format import HEADER_SIZE
+
+    def distinct(i: int) -> list[int]:   # three full blocks; the first token sets the chain apart
+        return [i] + list(range(100, 100 + 3 * BLOCK - 1))
+
+    with make_tier_engine(tiny_llama) as probe:
+        entry_bytes = probe.kv_pool.bytes_per_block + HEADER_SIZE
+    # room for about four prefixes of three blocks (LMDB's pages and B-tree take some of it)
+    size = {"host": 12 * entry_bytes, "lmdb": 24 * (entry_bytes + 4096)}[kind]
+    tier = tier_config(kind, tmp_path, size=size, eviction=eviction)
+    with make_tier_engine(tiny_llama, [tier], backend=backend) as engine:
+        paid, free = distinct(1), distinct(2)
+        engine.generate(paid, GREEDY, priority=5)
+        engine.generate(free, GREEDY, priority=0)
+        for i in range(3, 12):   # newer prompts push both out of the pool, then out of the tier
+            engine.generate(distinct(i), GREEDY)
+        engine.offload.flush()
+        stored = engine.offload.tiers[0]
+        assert stored.stats()["evictions"] > 0
+        paid_held = stored.exists(engine.prefix_key(paid).block_hashes[:3])
+        free_held = stored.exists(engine.prefix_key(free).block_hashes[:3])
+    assert free_held < 3
+    assert paid_held == 3 if is_paid_kept else paid_held < 3
