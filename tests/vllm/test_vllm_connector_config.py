@@ -118,7 +118,7 @@ def fake_request(req_id: str, tokens: list[int], num_computed: int = 0):
     """The fields of vLLM's Request the scheduler side reads (no KV-event hashes: none published)."""
     return SimpleNamespace(request_id=req_id, all_token_ids=tokens, num_tokens=len(tokens),
                            num_computed_tokens=num_computed, mm_features=None, prompt_embeds=None,
-                           lora_request=None, cache_salt=None, block_hashes=[])
+                           lora_request=None, cache_salt=None, block_hashes=[], priority=0)
 
 
 def step(side, req, block_ids):
@@ -265,3 +265,40 @@ def test_the_scheduler_loads_only_what_beats_recompute_from_the_workers_timings(
     finally:
         worker.close()
         always.close()
+
+
+def test_a_saved_block_takes_vllms_request_priority_negated_into_the_tiers(tmp_path, model_dir):
+    """vLLM serves the smaller ``request.priority`` first; corekv's ``priority`` eviction keeps the
+    larger longer: a request of vLLM priority -2 has its blocks stored at corekv priority 2."""
+    import struct
+
+    import lmdb
+
+    from corekv.integrations.vllm.scheduler import SchedulerSide
+    from corekv.integrations.vllm.worker import WorkerSide
+
+    cfg = {"cache": {"tiers": [{"type": "lmdb", "path": str(tmp_path / "kv"), "size": "256MiB",
+                                "sync": False, "eviction": "priority"}]}}
+    settings = read_settings(vllm_config(model_dir, {"config": config_file(tmp_path, cfg)}), kv_cache_config())
+    scheduler = SchedulerSide(settings, same_process=True)
+    worker = WorkerSide(settings, num_blocks=8)
+    worker.register({f"model.layers.{i}.self_attn.attn": torch.randn(8, 3, 32, 128) for i in range(30)})
+    try:
+        urgent = fake_request("urgent", list(range(1000, 1064)))   # two full blocks of 32
+        urgent.priority = -2
+        assert scheduler.matched_tokens(urgent, 0) == 0
+        scheduler.allocated(urgent, [0, 1], 0)
+        worker.save(step(scheduler, urgent, [0, 1]))
+        assert scheduler.finished(urgent, [0, 1])
+        plan = step(scheduler, fake_request("idle", [1]), [])
+        assert [s.priority for s in plan.saves] == [2]
+        worker.save(plan)
+        worker.offload.flush()
+    finally:
+        worker.close()
+        scheduler.close()
+    env = lmdb.open(str(tmp_path / "kv"), max_dbs=3, subdir=True, readonly=True)
+    with env.begin() as txn:
+        records = [v for _, v in txn.cursor(db=env.open_db(b"stats", txn=txn, create=False))]
+    env.close()
+    assert len(records) == 2 and {struct.unpack("<QIi", v)[2] for v in records} == {2}

@@ -24,12 +24,14 @@ class BlockLoad:
 class BlockSave:
     """Offload the blocks ``block_hashes`` from vLLM blocks ``block_ids`` (one each) after this
     step's forward; ``finished``: the request has ended and vLLM keeps its blocks until the
-    worker reports it saved."""
+    worker reports it saved; ``priority``: the eviction priority the tiers keep for them
+    (corekv's sense, higher is kept longer: vLLM's ``request.priority`` negated)."""
 
     req_id: str
     block_hashes: list[bytes]
     block_ids: list[int]
     finished: bool = False
+    priority: int = 0
 
 
 @dataclass

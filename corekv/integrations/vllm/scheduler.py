@@ -269,8 +269,11 @@ class SchedulerSide:
             return
         hashes = [state.key.block_hashes[i] for i in indices]
         self._unsent.update(hashes)
+        # NOTE: vLLM's priority scheduling runs the smaller request.priority first, corekv's
+        # priority eviction keeps the larger longer: the tiers take it negated, so the requests
+        # vLLM serves first are the ones whose blocks stay
         self._plan.saves.append(BlockSave(state.request.request_id, hashes, [state.block_ids[i] for i in indices],
-                                          finished=finished))
+                                          finished=finished, priority=-state.request.priority))
         self.planner.queued(hashes)
         self._remember_event_fields(state, indices)
 

@@ -164,9 +164,9 @@ class WorkerSide:
             if self.offload is not None:
                 pairs = list(zip(save.block_hashes, save.block_ids))
                 if wait:
-                    self.offload.flush(pairs)
+                    self.offload.flush(pairs, priorities=[save.priority] * len(pairs))
                 else:
-                    self.offload.evicted([EvictedBlock(h, b) for h, b in pairs])
+                    self.offload.evicted([EvictedBlock(h, b, save.priority) for h, b in pairs])
                 self.counters["saved_blocks"] += len(pairs)
             else:
                 self._reports.done(list(save.block_hashes), "failed")  # no tier: nothing to wait for
