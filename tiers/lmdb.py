@@ -214,11 +214,14 @@ class LMDBTier(Tier):
             return 0
 
     def _contains_entries(self, keys: list[BlockHash]) -> list[bool]:
+        # NOTE: a cursor's set_key, not a get, which would touch every page of each entry (see
+        # _write_txn): a membership check of 15 shm blocks another process wrote took 8-14 ms
         if self.damage is not None:
             return [False] * len(keys)
         try:
-            with self.env.begin(buffers=True) as txn:
-                return [txn.get(self._key_prefix + key, db=self._blocks) is not None for key in keys]
+            with self.env.begin() as txn:
+                cursor = txn.cursor(db=self._blocks)
+                return [cursor.set_key(self._key_prefix + key) for key in keys]
         except lmdb.Error as e:
             self._count_error("read", e)
             return [False] * len(keys)
@@ -259,13 +262,14 @@ class LMDBTier(Tier):
     def _write_txn(self, items, priorities=None) -> int:
         now = time.time_ns().to_bytes(8, "little")
         num_written = num_bytes = 0
-        # NOTE: buffers=True: a get then returns a view of the map, not a copy of the whole entry;
-        # the stamps' presence checks copied every stamped block (a 4K-token reload's flush: 188
-        # MB, a quarter of that reload's time; BENCHMARKS.md, "Reload bandwidth at every size").
+        # NOTE: presence is a cursor's set_key, never a get: py-lmdb's get (and a cursor's value)
+        # touches every page of the value before it returns, so checking a block read the whole
+        # entry (from disk for lmdb; page faults on shm: ~1 ms per 6 MB block, first access).
+        # buffers=True: a stats get returns a view of the map, not a copy.
         with self.env.begin(write=True, buffers=True) as txn:
-            hits = self._pending_hits
+            hits, blocks = self._pending_hits, txn.cursor(db=self._blocks)
             for db_key, stamp in self._pending_access.items():
-                if txn.get(db_key, db=self._blocks) is not None:  # it may have been evicted since
+                if blocks.set_key(db_key):  # it may have been evicted since
                     txn.put(db_key, stamp.to_bytes(8, "little"), db=self._access)
                     if db_key in hits:
                         stored_at, num_hits, priority = _read_stats(txn.get(db_key, db=self._stats_db), stamp)
