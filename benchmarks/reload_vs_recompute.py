@@ -296,6 +296,7 @@ def summarize(results: dict) -> list[dict]:
             off, on = med(r[f"{kind}_off"]), med(r[f"{kind}_on"])
             best = min(rec, off)
             out[kind] = {"off_s": off, "on_s": on, "on_vs_best": on / best,
+                         "off_runs_s": r[f"{kind}_off"], "on_runs_s": r[f"{kind}_on"],
                          "loaded_tokens_on": r["decisions"][kind], "GBps": med(r["bw"][kind]) / 1e9}
             worst = max(worst, on / best)
         out["worst_on_vs_best"] = worst
