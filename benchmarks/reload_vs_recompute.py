@@ -109,6 +109,30 @@ class LoadTimer:
         reloader.load_prefix = timed
 
 
+class DecisionTimer:
+    """Wraps the cost model's entry points (``limit``, ``worth_asking``, ``num_blocks_to_load``;
+    the real methods still run) and adds up their seconds: what "on" adds to a request beside
+    the loads it chooses, measured apart from the stores' run-to-run spread."""
+
+    def __init__(self, cost):
+        self.seconds = 0.0
+        for name in ("limit", "worth_asking", "num_blocks_to_load"):
+            setattr(cost, name, self._timed(getattr(cost, name)))
+
+    def _timed(self, method):
+        def timed(*args, **kwargs):
+            t0 = time.perf_counter()
+            try:
+                return method(*args, **kwargs)
+            finally:
+                self.seconds += time.perf_counter() - t0
+        return timed
+
+    def take(self) -> float:
+        seconds, self.seconds = self.seconds, 0.0
+        return seconds
+
+
 def evict_all(engine: Engine) -> None:
     """Evict every idle cached block through the backend's own allocate/free (write-back runs)."""
     backend = engine.backend
@@ -198,6 +222,7 @@ def bench_size(model, model_name: str, size: int, args, stores: Stores, results:
     prompt = corpus_ids(model, size + SUFFIX, seed_text)
     num_blocks = (size + SUFFIX) // BLOCK + 8
     row = results.setdefault(size, {"recompute": [], "device": [], "lmdb_cold": [], "bw": {}, "fincore": [],
+                                    "decision_s": [],
                                     **{f"{k}_{p}": [] for k in TIERS for p in ("off", "on")},
                                     "decisions": {k: [] for k in TIERS}})
     workdir = tempfile.mkdtemp(prefix="corekv-rvr-")
@@ -209,6 +234,7 @@ def bench_size(model, model_name: str, size: int, args, stores: Stores, results:
         with Engine(make_config(model_name, tiers, num_blocks, args.budget), model=model) as engine:
             timer = LoadTimer(engine)
             manager, cost = engine.offload, engine.offload.cost
+            decisions = DecisionTimer(cost)
             row["seed"] = {name: {"latency_s": cost.stats()["load_latency_s"][name],
                                   "s_per_block": cost.stats()["load_s_per_block"][name]}
                            for name in cost.stats()["seeded"]}
@@ -229,6 +255,7 @@ def bench_size(model, model_name: str, size: int, args, stores: Stores, results:
                         for upper in manager.tiers[:index]:  # so that the request must use `kind`
                             upper.delete(hashes)
                         cost.policy = policy
+                        decisions.take()
                         out = engine.generate(prompt, ONE_TOKEN, cache_salt=salt)[0]
                         assert out.token_ids == first.token_ids, (kind, policy)
                         loaded = out.cached_tokens_by_tier.get(kind, 0)
@@ -239,6 +266,7 @@ def bench_size(model, model_name: str, size: int, args, stores: Stores, results:
                             row["bw"].setdefault(kind, []).append(nbytes / seconds)
                         else:
                             row[f"{kind}_on"].append(out.ttft_s)
+                            row["decision_s"].append(decisions.take())
                             row["decisions"][kind].append(loaded)
                 print(f"{model_name} size {size} {salt}: done ({time.strftime('%H:%M:%S')}, "
                       f"load {os.getloadavg()[0]:.2f})", file=sys.stderr, flush=True)
@@ -300,6 +328,8 @@ def summarize(results: dict) -> list[dict]:
                          "loaded_tokens_on": r["decisions"][kind], "GBps": med(r["bw"][kind]) / 1e9}
             worst = max(worst, on / best)
         out["worst_on_vs_best"] = worst
+        # the cost model's own time per "on" request (median, max): what "on" adds beside its choice
+        out["decision_us"] = (med(r["decision_s"]) * 1e6, max(r["decision_s"]) * 1e6)
         if r["lmdb_cold"]:
             out["lmdb_cold_s"] = med(r["lmdb_cold"])
             out["lmdb_cold_GBps"] = med(r["bw"]["lmdb_cold"]) / 1e9
@@ -323,10 +353,12 @@ def markdown(rows: list[dict], model_name: str) -> str:
             cells.append(f"{c['off_s']:.3f} / {c['on_s']:.3f} ({how}{', right' if how == faster else ''})")
         lines.append(f"| {model_name} | {r['prefix_tokens']} | {r['kv_bytes'] / 1e6:.1f} | {r['recompute_s']:.3f} "
                      f"| {r['device_s']:.3f} | " + " | ".join(cells) + f" | {r['worst_on_vs_best']:.2f} |")
-    lines += ["", "| model | prefix tokens | " + " | ".join(f"{k} GB/s" for k in TIERS) + " |",
-              "|---|---:|" + "---:|" * len(TIERS)]
+    lines += ["", "| model | prefix tokens | " + " | ".join(f"{k} GB/s" for k in TIERS)
+              + " | cost model's time per request, median / max µs |",
+              "|---|---:|" + "---:|" * (len(TIERS) + 1)]
     for r in rows:
-        lines.append(f"| {model_name} | {r['prefix_tokens']} | " + " | ".join(f"{r[k]['GBps']:.2f}" for k in TIERS) + " |")
+        lines.append(f"| {model_name} | {r['prefix_tokens']} | " + " | ".join(f"{r[k]['GBps']:.2f}" for k in TIERS)
+                     + " | {:.0f} / {:.0f} |".format(*r["decision_us"]))
     return "\n".join(lines)
 
 
