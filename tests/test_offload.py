@@ -245,6 +245,30 @@ def test_a_snapshot_that_fails_gives_its_queue_room_back():
     writer.close()
 
 
+def test_the_writer_thread_runs_at_the_lowest_cpu_priority_and_the_caller_keeps_its_own():
+    """The writer never competes with the compute threads for a core (issue 40's warm reload):
+    its thread alone is at nice 19; the thread that built it keeps its priority."""
+    import os
+    import sys
+    from collections import Counter
+
+    import pytest
+
+    from corekv.offload.writer import WRITER_NICE, OffloadWriter
+
+    if not sys.platform.startswith("linux"):
+        pytest.skip("per-thread nice values are Linux's")
+    before = os.getpriority(os.PRIO_PROCESS, 0)
+    writer = OffloadWriter(Counter(), queue_blocks=2)
+    try:
+        assert writer.submit([b"k" * 16], lambda: torch.zeros((1, 8), dtype=torch.uint8), [])
+        writer.join()  # the thread has started and set its priority
+        assert os.getpriority(os.PRIO_PROCESS, writer._thread.native_id) == WRITER_NICE
+        assert os.getpriority(os.PRIO_PROCESS, 0) == before
+    finally:
+        writer.close()
+
+
 class GatedHostTier(HostTier):
     """A real host tier whose writes wait for a gate, so a test can hold the offload queue full."""
 

@@ -3,11 +3,13 @@
 The facade takes a snapshot of the blocks to offload on the caller's thread (the pool slot
 may be reused as soon as the caller returns) and hands it here; encoding, checksums and tier I/O
 run on the writer thread, so generation never waits for a tier. When the queue is full the
-blocks are skipped and counted instead.
+blocks are skipped and counted instead. The thread runs at the lowest CPU priority (nice 19): it
+uses the time the compute threads leave, never theirs (see :func:`_yield_to_compute`).
 """
 from __future__ import annotations
 
 import logging
+import os
 import queue
 import threading
 from collections import Counter
@@ -22,6 +24,9 @@ from corekv.tier import Tier
 logger = logging.getLogger(__name__)
 
 __all__ = ["OffloadWriter"]
+
+#: the writer thread's nice value: the lowest CPU priority
+WRITER_NICE = 19
 
 _STOP = object()
 #: ``on_done(hashes, outcome)``: the writes of ``hashes`` ended, ``outcome`` one of
@@ -118,6 +123,7 @@ class OffloadWriter:
             self._thread = None
 
     def _run(self) -> None:
+        _yield_to_compute()
         while True:
             item = self._queue.get()
             if item is _STOP:
@@ -182,3 +188,20 @@ class OffloadWriter:
     def _done(self, num_blocks: int) -> None:
         with self._lock:
             self._queued_blocks -= num_blocks
+
+
+def _yield_to_compute() -> None:
+    """Lower the calling thread to nice :data:`WRITER_NICE`.
+
+    NOTE: a write's checksums and copies cost CPU (a 2K-token prefix: 88 MB), and the thread often
+    shares its cores with the forward: vLLM binds its worker process, and so every thread it
+    starts, to the compute cores. A write still in flight when the next request arrives then
+    slowed that request's forward (a reload right after its own write to shm + LMDB: 0.71 s
+    against 0.44 s once written; BENCHMARKS.md, issue 40). At nice 19 the writer runs in the
+    gaps between steps; a queue that still fills skips blocks (counted), never the forward.
+    Linux applies ``PRIO_PROCESS`` to one thread when given its thread id.
+    """
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), WRITER_NICE)
+    except (AttributeError, OSError) as e:  # NOTE: not Unix, or a sandbox refusing it: run as is
+        logger.debug("offload writer: nice %d refused (%s); running at the process's priority", WRITER_NICE, e)
