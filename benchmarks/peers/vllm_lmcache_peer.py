@@ -41,6 +41,8 @@ Workloads (``--quick`` scales all of them down to check the harness in a few min
   reuse must come from the connector, and no wait for the first request's write); again as the
   first request of the fresh process of (c).
 
+``--single-only`` runs (d) alone (a few minutes a run, for its medians).
+
 Process 1 runs warm-up, (d) cold and warm, (a), (b), then a one-request step and a
 ``--settle``-second pause so that writes still queued are carried (what a server that keeps
 running would do); process 2 runs warm-up, (d) restart, (c). Columns run in turn (rotated each
@@ -227,14 +229,15 @@ def child(spec_path: str, out_path: str) -> None:
 
 
 # ============================================================================ the workloads (workloads/lmcache_qa.py)
-def process_plans(w: dict, max_tokens: int, settle: float) -> tuple[list[dict], list[dict]]:
+def process_plans(w: dict, max_tokens: int, settle: float, single_only: bool = False) -> tuple[list[dict], list[dict]]:
     def ph(name: str) -> dict:
         return {"kind": "sessions", "name": name, "max_tokens": max_tokens,
                 **{k: v for k, v in w[name].items() if k != "repeats"}}
 
-    first = [ph("warmup"), ph("single_cold"), {"kind": "reset", "name": "reset"}, ph("single_warm"),
-             ph("long_doc_qa"), ph("multi_round_qa"), ph("flush"), {"kind": "settle", "seconds": settle}]
-    second = [ph("warmup"), ph("single_restart"), ph("fresh_process")]
+    single = [ph("single_cold"), {"kind": "reset", "name": "reset"}, ph("single_warm")]
+    shared = [] if single_only else [ph("long_doc_qa"), ph("multi_round_qa")]
+    first = [ph("warmup"), *single, *shared, ph("flush"), {"kind": "settle", "seconds": settle}]
+    second = [ph("warmup"), ph("single_restart")] + ([] if single_only else [ph("fresh_process")])
     return first, second
 
 
@@ -332,7 +335,7 @@ class Driver:
 
     def column(self, column: str, tag: str, w: dict, cfgs: dict) -> dict:
         a = self.a
-        first, second = process_plans(w, a.max_tokens, a.settle)
+        first, second = process_plans(w, a.max_tokens, a.settle, a.single_only)
         connector, extra_env, server = {}, {}, None
         if column == "lmcache":
             server = LMCacheServer(sys.executable, self.scratch, tag, a, self.env)
@@ -374,6 +377,8 @@ def summarise_run(col: dict, w: dict) -> dict:
     phases = {ph["name"]: ph for proc in ("p1", "p2") for ph in col[proc]["phases"] if "requests" in ph}
     out = {}
     for name in WORKLOADS:
+        if name not in phases:  # NOTE: --single-only
+            continue
         ph = phases[name]
         reqs = ph["requests"]
         ttfts = [r["ttft_s"] for r in reqs]
@@ -416,7 +421,9 @@ def summarise(runs: list[dict], columns: list[str]) -> dict:
             continue
         col = {}
         for w in WORKLOADS:
-            xs = [r["workloads"][w] for r in rows]
+            xs = [r["workloads"][w] for r in rows if w in r["workloads"]]
+            if not xs:
+                continue
             same = None
             if base_tokens:
                 ref = base_tokens[0][w]["tokens"]
@@ -471,7 +478,9 @@ def markdown(result: dict) -> str:
     ratio = lambda x: f"{x:.2f}x" if x else "-"  # noqa: E731
     for w in WORKLOADS:
         for column, col in table.items():
-            row = col["workloads"][w]
+            row = col["workloads"].get(w)
+            if row is None:
+                continue
             same = row["same_tokens_as_vllm"]
             same_s = f"{same['equal']}/{same['of']}" if same else "-"
             lines.append(
@@ -479,7 +488,8 @@ def markdown(result: dict) -> str:
                 f"| {ratio(row['ttft_vs_lmcache'])} | {row['out_tok_s']:.1f} | {ratio(row['throughput_vs_lmcache'])} "
                 f"| {row['tokens_hit']:.0f} ({row['device_hit_tokens']:.0f} + {row['connector_hit_tokens']:.0f}) / "
                 f"{row['prompt_tokens']} | {row['cpu_s_total']:.1f} | {same_s} |")
-    split = [(column, col["workloads"]["long_doc_qa"]) for column, col in table.items()]
+    split = [(column, col["workloads"]["long_doc_qa"]) for column, col in table.items()
+             if "long_doc_qa" in col["workloads"]]
     lines += ["", "(a) by round: mean TTFT s of the first round (documents computed) / of the query round "
               "(documents seen before): " + "; ".join(
                   f"{LABELS[c]} {r['mean_ttft_first_s']:.3f} / {r['mean_ttft_repeat_s']:.3f}"
@@ -488,7 +498,7 @@ def markdown(result: dict) -> str:
     lines += ["", "CPU seconds by process over each workload (medians), and peak RSS (MiB) of every process:", "",
               "| column | workload | CPU s by process |", "|---|---|---|"]
     for column, col in table.items():
-        for w in WORKLOADS:
+        for w in (w for w in WORKLOADS if w in col["workloads"]):
             parts = ", ".join(f"{k} {v:.1f}" for k, v in col["workloads"][w]["cpu_s"].items() if v >= 0.05)
             lines.append(f"| {LABELS[column]} | {WORKLOAD_LABELS[w]} | {parts} |")
     lines += ["", "| column | peak RSS MiB by process (p1: the filling process, p2: the fresh one) | vLLM init s "
@@ -551,6 +561,7 @@ def main() -> None:
                     help=f"comma-separated, of {','.join(COLUMNS)}")
     ap.add_argument("--runs", type=int, default=1, help="runs of every column (medians reported)")
     ap.add_argument("--quick", action="store_true", help="small sizes: check the harness in a few minutes")
+    ap.add_argument("--single-only", action="store_true", help="only (d): one prompt cold, warm and after a restart")
     ap.add_argument("--docs", type=int), ap.add_argument("--doc-tokens", type=int)
     ap.add_argument("--doc-concurrency", type=int, default=2)
     ap.add_argument("--users", type=int), ap.add_argument("--rounds", type=int)
