@@ -215,7 +215,7 @@ class LMDBTier(Tier):
 
     def _contains_entries(self, keys: list[BlockHash]) -> list[bool]:
         # NOTE: a cursor's set_key, not a get, which would touch every page of each entry (see
-        # _write_txn): a membership check of 15 shm blocks another process wrote took 8-14 ms
+        # _write_txn): membership must not fault in (or read from disk) the entries it asks about
         if self.damage is not None:
             return [False] * len(keys)
         try:
@@ -263,8 +263,8 @@ class LMDBTier(Tier):
         now = time.time_ns().to_bytes(8, "little")
         num_written = num_bytes = 0
         # NOTE: presence is a cursor's set_key, never a get: py-lmdb's get (and a cursor's value)
-        # touches every page of the value before it returns, so checking a block read the whole
-        # entry (from disk for lmdb; page faults on shm: ~1 ms per 6 MB block, first access).
+        # touches every page of the value before it returns, so a check would read the whole
+        # entry (from disk for lmdb, page faults for shm; BENCHMARKS.md, "The warm single prompt").
         # buffers=True: a stats get returns a view of the map, not a copy.
         with self.env.begin(write=True, buffers=True) as txn:
             hits, blocks = self._pending_hits, txn.cursor(db=self._blocks)

@@ -193,13 +193,12 @@ class OffloadWriter:
 def _yield_to_compute() -> None:
     """Lower the calling thread to nice :data:`WRITER_NICE`.
 
-    NOTE: a write's checksums and copies cost CPU (a 2K-token prefix: 88 MB), and the thread often
-    shares its cores with the forward: vLLM binds its worker process, and so every thread it
-    starts, to the compute cores. A write still in flight when the next request arrives then
-    slowed that request's forward (a reload right after its own write to shm + LMDB: 0.71 s
-    against 0.44 s once written; BENCHMARKS.md, issue 40). At nice 19 the writer runs in the
-    gaps between steps; a queue that still fills skips blocks (counted), never the forward.
-    Linux applies ``PRIO_PROCESS`` to one thread when given its thread id.
+    NOTE: a write's checksums and copies cost CPU, and the thread often shares its cores with
+    the forward: vLLM binds its worker process, and so every thread it starts, to the compute
+    cores. A write still in flight when the next request arrives would slow that request's
+    forward (BENCHMARKS.md, "The warm single prompt"). At nice 19 the writer runs in the gaps
+    between steps; a queue that still fills skips blocks (counted), never the forward. Linux
+    applies ``PRIO_PROCESS`` to one thread when given its thread id.
     """
     try:
         os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), WRITER_NICE)
