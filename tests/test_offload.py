@@ -281,6 +281,33 @@ class GatedHostTier(HostTier):
         return super()._write_entries(items)
 
 
+def test_blocks_whose_write_is_in_flight_load_from_the_writers_snapshots_across_batches():
+    """load_blocks copies a block whose write is still queued from the writer's snapshot (views
+    of each batch, no second copy), across two batches, after their pool slots were reused."""
+    import threading
+
+    from corekv.offload.facade import IN_FLIGHT
+
+    pool = make_pool(16)
+    gate = threading.Event()
+    host = GatedHostTier(gate, size=16 * 4096, **tier_kwargs(pool))
+    hashes = make_key(4).block_hashes
+    original = pool.read_blocks([0, 1, 2, 3]).clone()
+    manager = Offload([host], pool, queue_blocks=8)
+    # two batches held at the gate: the first's write is running, the second's queued
+    manager.evicted([EvictedBlock(hashes[0], 0), EvictedBlock(hashes[1], 1)])
+    manager.evicted([EvictedBlock(hashes[2], 2), EvictedBlock(hashes[3], 3)])
+    pool.storage.zero_()  # the slots are reused: only the snapshots hold the bytes now
+    try:
+        assert manager.load_blocks(hashes, [10, 11, 12, 13]) == {IN_FLIGHT: 4}
+        assert torch.equal(pool.read_blocks([10, 11, 12, 13]), original)
+    finally:
+        gate.set()
+        manager.flush()
+    assert host.exists(hashes) == 4
+    manager.close()
+
+
 def test_a_full_offload_queue_skips_and_counts_instead_of_waiting():
     import threading
 

@@ -160,16 +160,23 @@ class Offload:
         :returns: ``{tier name or IN_FLIGHT: blocks loaded}`` for the leading blocks that loaded.
         """
         loaded: dict[str, int] = {}
-        rows = self._writer.pending_rows(hashes) if self._writer is not None else [None] * len(hashes)
+        pending = self._writer.pending_rows(hashes) if self._writer is not None else [None] * len(hashes)
         pos = 0
         while pos < len(hashes):
-            end = pos
-            while end < len(hashes) and (rows[end] is None) == (rows[pos] is None):
-                end += 1
-            if rows[pos] is not None:
-                write_rows(self.kv_pool, list(block_ids[pos:end]), torch.stack(rows[pos:end]))
+            end = pos + 1
+            if pending[pos] is not None:
+                # NOTE: a run of consecutive rows of one snapshot is copied from a view of it:
+                # stacking them first would allocate and fill a second copy of the run
+                snapshot, first = pending[pos]
+                while end < len(hashes) and pending[end] is not None and pending[end][0] is snapshot \
+                        and pending[end][1] == first + end - pos:
+                    end += 1
+                rows = snapshot[first:first + end - pos].contiguous().view(torch.uint8).reshape(end - pos, -1)
+                write_rows(self.kv_pool, list(block_ids[pos:end]), rows)
                 got = {IN_FLIGHT: end - pos}
             else:
+                while end < len(hashes) and pending[end] is None:
+                    end += 1
                 got = self.reloader.load_prefix(_Chain(hashes[pos:end]), 0, end - pos, block_ids[pos:end])
             for name, num in got.items():
                 loaded[name] = loaded.get(name, 0) + num

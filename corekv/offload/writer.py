@@ -97,12 +97,11 @@ class OffloadWriter:
         self._queue.put(item)
         return True
 
-    def pending_rows(self, hashes: Sequence[BlockHash]) -> list[torch.Tensor | None]:
-        """Per hash, its queued bytes (a uint8 row of the batch's snapshot) while its write has
-        not finished; ``None`` for the others."""
+    def pending_rows(self, hashes: Sequence[BlockHash]) -> list[tuple[torch.Tensor, int] | None]:
+        """Per hash, ``(its batch's snapshot, its row there)`` while its write has not finished
+        (the snapshot is never written to); ``None`` for the others."""
         with self._lock:
-            found = [self._pending.get(h) for h in hashes]
-        return [None if f is None else f[0][f[1]].reshape(-1).view(torch.uint8) for f in found]
+            return [self._pending.get(h) for h in hashes]
 
     @property
     def num_queued_blocks(self) -> int:
