@@ -322,3 +322,47 @@ def _is_running(pid: int) -> bool:
             return False
         time.sleep(0.05)
     return True
+
+
+def test_stop_sends_the_signal_asked_for(tmp_path):
+    """py-spy writes its profile on SIGINT only: stop() must send the signal it is given."""
+    marker = tmp_path / "got"
+    script = ("import signal, sys, time\n"
+              f"signal.signal(signal.SIGINT, lambda *a: (open({str(marker)!r}, 'w').write('int'), sys.exit(0)))\n"
+              "print('up', flush=True)\ntime.sleep(60)\n")
+    proc = runner.start([sys.executable, "-c", script], env=dict(os.environ), stdout=subprocess.PIPE)
+    assert proc.stdout.readline() == b"up\n"
+    runner.stop(proc, grace_s=10, signum=signal.SIGINT)
+    assert marker.read_text() == "int"
+
+
+#: py-spy's raw output of a vLLM run (--subprocesses): the driver, the engine core, the worker with
+#: corekv's writer thread beside its forward; one command line spans two lines, as py-spy writes it
+SPY_RAW = """\
+process 10:"python peer.py --child";child (vllm_lmcache_peer.py:9);step (vllm/v1/engine/llm_engine.py:3) 50
+process 10:"python peer.py --child";process 20:"python -c spawn_main";run_engine_core (vllm/v1/engine/core.py:1);EngineCoreProc.run_busy_loop (vllm/v1/engine/core.py:2);Scheduler.schedule (vllm/v1/core/sched/scheduler.py:4) 25
+process 10:"python peer.py --child";process 20:"python -c spawn_main";run_engine_core (vllm/v1/engine/core.py:1);EngineCoreProc.run_busy_loop (vllm/v1/engine/core.py:2);get_num_new_matched_tokens (corekv/integrations/vllm/scheduler.py:7);contains (corekv/offload/facade.py:8) 5
+process 10:"python peer.py --child";process 30:"python -c import x
+spawn_main()";WorkerProc.worker_busy_loop (vllm/v1/executor/multiproc_executor.py:5);LlamaModel.forward (vllm/model_executor/models/llama.py:6) 400
+process 10:"python peer.py --child";process 30:"python -c import x
+spawn_main()";_bootstrap (threading.py:1);_run (corekv/offload/writer.py:11);put (tiers/shm.py:12) 20
+process 10:"python peer.py --child";process 30:"python -c import x
+spawn_main()";WorkerProc.worker_busy_loop (vllm/v1/executor/multiproc_executor.py:5);start_load_kv (lmcache/integration/vllm/lmcache_mp_connector.py:3) 5
+"""
+
+
+def test_spy_shares_count_each_process_by_its_role_and_each_sample_in_one_part(tmp_path):
+    from peers import spy
+
+    raw = tmp_path / "p.raw"
+    raw.write_text(SPY_RAW)
+    assert sum(count for _, count in spy.samples(raw)) == 505
+    got = spy.shares(raw, rate=50)
+    assert set(got) == {"driver", "engine core", "worker"}
+    assert got["driver"]["seconds"] == pytest.approx(1.0) and got["driver"]["parts"] == {"other": 1.0}
+    assert got["engine core"]["parts"] == pytest.approx({"scheduler": 0.5, "corekv": 0.1})
+    # the writer thread has no WorkerProc frame: it is the worker's by its process
+    assert got["worker"]["parts"] == pytest.approx({"model forward": 8.0, "corekv": 0.4, "lmcache": 0.1})
+    assert got["worker"]["top"] == [("put (tiers/shm.py:12)", pytest.approx(0.4)),
+                                    ("start_load_kv (lmcache/integration/vllm/lmcache_mp_connector.py:3)",
+                                     pytest.approx(0.1))]

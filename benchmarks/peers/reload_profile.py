@@ -20,23 +20,26 @@ import json
 import os
 import random
 import statistics
+import sys
 import time
 from collections import Counter
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/ (see peers/__init__.py)
+from peers import spy  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def summarize(raw_path: str, top: int) -> None:
-    """py-spy's raw output (``frame;frame;... count`` lines): the frames under ``reloads``."""
+    """py-spy's raw output: the frames under ``reloads``."""
     totals, num_samples = Counter(), 0
-    with open(raw_path) as f:
-        for line in f:
-            stack, _, count = line.rstrip().rpartition(" ")
-            if ";reloads " not in stack and not stack.startswith("reloads "):
-                continue
-            num_samples += int(count)
-            for frame in set(stack.split(";")):
-                totals[frame] += int(count)
+    for frames, count in spy.samples(raw_path):
+        if "reloads" not in {f.split(" (", 1)[0] for f in frames}:
+            continue
+        num_samples += count
+        for frame in set(frames):
+            totals[frame] += count
     print(f"{num_samples} samples inside reloads()")
     for frame, count in totals.most_common(top):
         print(f"{count:6d} {100 * count / max(num_samples, 1):5.1f}%  {frame[:140]}")

@@ -110,12 +110,12 @@ def start(cmd: list[str], *, env: dict[str, str], **popen_kwargs) -> subprocess.
     return subprocess.Popen(cmd, env=env, start_new_session=True, **popen_kwargs)
 
 
-def stop(proc: subprocess.Popen, *, grace_s: float = 0.0) -> None:
-    """Stop ``proc`` and whatever is left of its process group: SIGTERM to the group and up to
+def stop(proc: subprocess.Popen, *, grace_s: float = 0.0, signum: int = signal.SIGTERM) -> None:
+    """Stop ``proc`` and whatever is left of its process group: ``signum`` to the group and up to
     ``grace_s`` seconds to exit (where ``grace_s`` > 0 and it still runs), then SIGKILL."""
     if grace_s > 0 and proc.poll() is None:
         try:
-            os.killpg(proc.pid, signal.SIGTERM)
+            os.killpg(proc.pid, signum)
             proc.wait(timeout=grace_s)
         except (ProcessLookupError, subprocess.TimeoutExpired):
             pass

@@ -42,6 +42,9 @@ Workloads (``--quick`` scales all of them down to check the harness in a few min
   first request of the fresh process of (c).
 
 ``--single-only`` runs (d) alone (a few minutes a run, for its medians).
+``--py-spy PATH`` records every workload of every vLLM process with that py-spy binary (the vLLM
+venv has one) and adds where each process's time went to the tables: vLLM's forward, its
+scheduler, the connector's own code (corekv's or LMCache's), the rest.
 
 Process 1 runs warm-up, (d) cold and warm, (a), (b), then a one-request step and a
 ``--settle``-second pause so that writes still queued are carried (what a server that keeps
@@ -64,6 +67,7 @@ The scratch folder (``--keep``) holds every process's log and per-request record
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shutil
@@ -76,7 +80,7 @@ import urllib.request
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/ (see peers/__init__.py)
-from peers import runner  # noqa: E402
+from peers import runner, spy  # noqa: E402
 from seed_documents import add_seeds_argument, read_seeds  # noqa: E402
 from workloads.lmcache_qa import ChatIds, build_workloads  # noqa: E402
 
@@ -211,11 +215,16 @@ def child(spec_path: str, out_path: str) -> None:
         if phase["kind"] == "settle":
             time.sleep(phase["seconds"])
             continue
-        tree0, vllm0, lmc0 = runner.process_tree(roots), vllm_counters(llm), lmcache_metrics(spec.get("lmcache_metrics"))
-        t0 = time.perf_counter()
-        records = run_sessions(llm, phase["sessions"], phase["names"], phase["concurrency"], phase["max_tokens"])
-        wall = time.perf_counter() - t0
-        tree1, vllm1, lmc1 = runner.process_tree(roots), vllm_counters(llm), lmcache_metrics(spec.get("lmcache_metrics"))
+        profile = (spy.recording(spec["py_spy"], Path(out_path).parent / f"{phase['name']}.raw")
+                   if spec.get("py_spy") else contextlib.nullcontext())
+        with profile:
+            tree0, vllm0 = runner.process_tree(roots), vllm_counters(llm)
+            lmc0 = lmcache_metrics(spec.get("lmcache_metrics"))
+            t0 = time.perf_counter()
+            records = run_sessions(llm, phase["sessions"], phase["names"], phase["concurrency"], phase["max_tokens"])
+            wall = time.perf_counter() - t0
+            tree1, vllm1 = runner.process_tree(roots), vllm_counters(llm)
+            lmc1 = lmcache_metrics(spec.get("lmcache_metrics"))
         phases.append({"name": phase["name"], "wall_s": wall, "requests": records,
                        "cpu_s": runner.cpu_delta(tree0, tree1),
                        "vllm_counters": {k: vllm1.get(k, 0.0) - vllm0.get(k, 0.0) for k in vllm1},
@@ -326,9 +335,10 @@ class Driver:
         a = self.a
         spec = {"model": a.model, "tag": tag, "phases": phases, "eager": not a.compile,
                 "max_model_len": a.max_model_len, "max_num_batched_tokens": a.budget,
-                "max_num_seqs": a.max_num_seqs, "device_blocks": a.device_blocks, **connector}
+                "max_num_seqs": a.max_num_seqs, "device_blocks": a.device_blocks, "py_spy": a.py_spy, **connector}
         done = self.children.run(tag, spec, extra_env=extra_env, timeout_s=a.process_timeout)
         result = done.result
+        result["profile"] = {raw.stem: spy.shares(raw) for raw in sorted(done.folder.glob("*.raw"))}
         runner.forget_openmp_registrations(result["processes"])  # the processes the runner killed
         result["omp_binding"] = [line.strip() for line in done.log.splitlines() if "core ids=" in line][:2]
         return result
@@ -406,7 +416,9 @@ def summarise_run(col: dict, w: dict) -> dict:
             peaks[key] = max(peaks.get(key, 0), row["peak_rss"])
     for row in (col.get("server_processes") or {}).values():
         peaks[row["name"]] = max(peaks.get(row["name"], 0), row["peak_rss"])
+    profile = {**col["p1"].get("profile", {}), **col["p2"].get("profile", {})}
     return {"workloads": out, "peak_rss": peaks, "init_s": [col["p1"]["init_s"], col["p2"]["init_s"]],
+            "profile": {w: profile[w] for w in WORKLOADS if w in profile},
             "num_gpu_blocks": col["p1"]["num_gpu_blocks"], "omp_binding": col["p1"].get("omp_binding"),
             "store_bytes": col.get("store_bytes")}
 
@@ -449,7 +461,8 @@ def summarise(runs: list[dict], columns: list[str]) -> dict:
         peaks = sorted({k for r in rows for k in r["peak_rss"]})
         table[column] = {"workloads": col, "peak_rss": {k: max(r["peak_rss"].get(k, 0) for r in rows) for k in peaks},
                          "init_s": [r["init_s"] for r in rows], "num_gpu_blocks": rows[0]["num_gpu_blocks"],
-                         "omp_binding": rows[0]["omp_binding"], "store_bytes": rows[-1]["store_bytes"]}
+                         "omp_binding": rows[0]["omp_binding"], "store_bytes": rows[-1]["store_bytes"],
+                         "profile": rows[0].get("profile") or {}}
     for column, col in table.items():  # ratios to LMCache in the same run set
         for w, row in col["workloads"].items():
             ref = table.get("lmcache", {}).get("workloads", {}).get(w)
@@ -514,6 +527,18 @@ def markdown(result: dict) -> str:
                            f"{r['lmcache_l1_write_chunks']:.0f}" for w, r in lmc["workloads"].items()
                            if r["lmcache_l1_read_chunks"] is not None)
         lines += ["", f"LMCache server L1 chunks (first run): {chunks}"]
+    if any(col["profile"] for col in table.values()):
+        lines += ["", "py-spy (first run, 50 Hz): thread-seconds sampled per process over each workload, the share "
+                  "in each part, and the connector's busiest frames:", "",
+                  "| workload | column | process | thread-s | " + " | ".join(name for name, _ in spy.PARTS)
+                  + " | other | connector's top frames (s) |", "|---|---|---|---:|" + "---:|" * (len(spy.PARTS) + 1) + "---|"]
+        for w in WORKLOADS:
+            for column, col in table.items():
+                for role, row in sorted(col["profile"].get(w, {}).items()):
+                    share = lambda part: f"{100 * row['parts'].get(part, 0.0) / max(row['seconds'], 1e-9):.1f}%"  # noqa: E731
+                    top = "; ".join(f"{frame} {sec:.2f}" for frame, sec in row["top"][:3]) or "-"
+                    lines.append(f"| {WORKLOAD_LABELS[w]} | {LABELS[column]} | {role} | {row['seconds']:.1f} | "
+                                 + " | ".join(share(name) for name, _ in spy.PARTS) + f" | {share('other')} | {top} |")
     return "\n".join(lines)
 
 
@@ -587,6 +612,8 @@ def main() -> None:
     ap.add_argument("--render", help="print the tables of a results JSON and exit")
     ap.add_argument("--plot", help="with --render: also draw its mean TTFTs to this PNG (matplotlib)")
     ap.add_argument("--keep", action="store_true", help="keep the scratch folder (logs, specs)")
+    ap.add_argument("--py-spy", metavar="PATH", help="profile every workload of every vLLM process with this py-spy "
+                    "binary (50 Hz, not pausing them): the seconds per process and part go into the tables")
     add_seeds_argument(ap)
     a = ap.parse_args()
     if a.child:
