@@ -50,3 +50,29 @@ def test_an_unknown_layout_is_a_clear_error():
     caches = {"layer.0": torch.zeros(4, 3, NUM_BLOCKS)}  # blocks on the last dimension
     with pytest.raises(ConfigError, match="expects 6 blocks of .* on dimension 0 or 1"):
         PagedKV(caches, num_blocks=NUM_BLOCKS, page_bytes=48, block_size=4)
+
+
+def test_a_cpu_load_stages_chunk_by_chunk_and_stops_at_the_first_miss(monkeypatch):
+    """vLLM's CPU layout loads through a staging buffer of at most STAGED_BYTES (here one block),
+    reused chunk after chunk; blocks after a miss stay untouched and read as misses."""
+    from corekv.offload import pool_io
+
+    caches = cpu_layout()
+    page_bytes = caches["layer.0"].numel() // NUM_BLOCKS * 4
+    pool = PagedKV(caches, num_blocks=NUM_BLOCKS, page_bytes=page_bytes, block_size=4)
+    monkeypatch.setattr(pool_io, "STAGED_BYTES", pool.bytes_per_block)
+    tier = HostTier(size=1 << 20, block_bytes=pool.bytes_per_block, fingerprint=b"f" * 16, shape=pool.block_shape)
+    keys = [b"a", b"b", b"missing", b"c"]
+    assert tier.put([(k, row.numpy()) for k, row in zip([b"a", b"b", b"c"], snapshot_blocks(pool, [0, 1, 2]))]) == 3
+    want = [[block_of(kv, b, 0) for kv in caches.values()] for b in (0, 1)]
+    before = [block_of(kv, 5, 0) for kv in caches.values()]
+    calls = []
+    get_into = tier.get_into
+    monkeypatch.setattr(tier, "get_into", lambda ks, out: calls.append(len(ks)) or get_into(ks, out))
+    staging = pool_io.StagingBuffers(pool)
+    assert load_into_pool(pool, tier, keys, [3, 4, 5, 5], staging) == [True, True, False, False]
+    assert calls == [1, 1, 1]  # one block per chunk; nothing asked after the miss
+    for block, layers in zip((3, 4), want):
+        assert all(torch.equal(block_of(kv, block, 0), layer) for kv, layer in zip(caches.values(), layers))
+    assert all(torch.equal(block_of(kv, 5, 0), layer) for kv, layer in zip(caches.values(), before))
+    assert staging.take(1).shape[0] == 1  # the one buffer kept is a chunk's, not the whole load's

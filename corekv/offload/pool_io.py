@@ -21,7 +21,7 @@ import torch
 from corekv.hashing import BlockHash
 from corekv.tier import Tier
 
-__all__ = ["pool_rows", "snapshot_blocks", "load_into_pool", "write_rows", "StagingBuffers"]
+__all__ = ["pool_rows", "snapshot_blocks", "load_into_pool", "write_rows", "StagingBuffers", "STAGED_BYTES"]
 
 
 def pool_rows(pool) -> np.ndarray | None:
@@ -60,27 +60,42 @@ def write_rows(pool, block_ids: Sequence[int], rows: torch.Tensor) -> None:
         dst[block_id] = src[i]
 
 
+#: bytes a load stages at a time into a CPU pool that is not block-major (vLLM's per-layer
+#: tensors): each chunk's entries are scattered into the pool while the buffer is still in the
+#: CPU's cache, and the one small buffer faults in once, not a whole prefix's worth per process
+STAGED_BYTES = 8 << 20
+
+
 def load_into_pool(pool, tier: Tier, keys: list[BlockHash], block_ids: list[int],
                    staging: StagingBuffers | None = None) -> list[bool]:
     """``tier.get_into`` of ``keys`` into pool blocks ``block_ids``; the leading hits land in the
-    pool. On a block-major CPU pool the tier copies straight into the blocks (no staging
-    buffer); otherwise through staging rows (pinned for an accelerator; lent by ``staging``
-    where given, so a CPU pool's rows are reused, not faulted in anew every load) and one
-    batched ``write_blocks``."""
+    pool, and the flags after the first miss are False. On a block-major CPU pool the tier copies
+    straight into the blocks (no staging buffer); otherwise through staging rows (pinned for an
+    accelerator; lent by ``staging`` where given, so a CPU pool's rows are reused, not faulted in
+    anew every load) and ``write_blocks``: one batch on an accelerator (one host-to-device copy),
+    chunks of at most :data:`STAGED_BYTES` (at least one block) on a CPU."""
     rows = pool_rows(pool)
     if rows is not None:
         return tier.get_into(keys, [rows[b] for b in block_ids])
-    lent = staging.take(len(keys)) if staging is not None else torch.empty(
-        (len(keys), pool.bytes_per_block), dtype=torch.uint8, pin_memory=pool.device.type != "cpu")
-    try:
-        flags = tier.get_into(keys, list(lent[:len(keys)].numpy()))
-        num_ok = next((i for i, ok in enumerate(flags) if not ok), len(flags))
-        if num_ok:
-            pool.write_blocks(block_ids[:num_ok], lent[:num_ok])
-    finally:
-        if staging is not None:
-            staging.give_back(lent)
-    return flags
+    per = len(keys) if pool.device.type != "cpu" else max(1, STAGED_BYTES // pool.bytes_per_block)
+    flags: list[bool] = []
+    while len(flags) < len(keys):
+        start = len(flags)
+        num = min(per, len(keys) - start)
+        lent = staging.take(num) if staging is not None else torch.empty(
+            (num, pool.bytes_per_block), dtype=torch.uint8, pin_memory=pool.device.type != "cpu")
+        try:
+            got = tier.get_into(keys[start:start + num], list(lent[:num].numpy()))
+            num_ok = next((i for i, ok in enumerate(got) if not ok), num)
+            if num_ok:
+                pool.write_blocks(block_ids[start:start + num_ok], lent[:num_ok])
+        finally:
+            if staging is not None:
+                staging.give_back(lent)
+        flags += got[:num_ok]
+        if num_ok < num:
+            break
+    return flags + [False] * (len(keys) - len(flags))
 
 
 class StagingBuffers:
