@@ -181,6 +181,24 @@ class PrefixKey:
                                    hashes[-1] if done else self.namespace, self.algorithm, start=done)
         return hashes
 
+    def partial_hashes(self, block_index: int, max_tokens: int) -> list[BlockHash]:
+        """Keys of the leading ``n`` tokens of block ``block_index``, for ``n`` from
+        ``max_tokens`` down to 1 (``max_tokens`` < ``block_size``): a partial block, chained to
+        the full block before it (or the namespace), so it is found only after the same prefix.
+
+        NOTE: a full block hashes its parent and ``block_size`` tokens; a partial one a marker,
+        its parent and fewer tokens: the inputs never coincide, so neither key can stand for
+        the other.
+        """
+        if not 0 < max_tokens < self.block_size or block_index * self.block_size + max_tokens > len(self.token_ids):
+            raise ValueError(f"a partial block of block {block_index} has 1 to {self.block_size - 1} tokens "
+                             f"within the key's {len(self.token_ids)}; got {max_tokens}")
+        digest = _DIGESTS[self.algorithm]
+        start = block_index * self.block_size
+        head = b"corekv-partial" + (self.block_hashes[block_index - 1] if block_index else self.namespace)
+        packed = pack_tokens(self.token_ids[start:start + max_tokens])
+        return [digest(head + packed[:4 * n]) for n in range(max_tokens, 0, -1)]
+
     def extend(self, token_ids: Sequence[int]) -> None:
         """Append tokens (e.g. generated ones); their full blocks get hashes on next access."""
         self.token_ids.extend(token_ids)

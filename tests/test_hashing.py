@@ -109,3 +109,28 @@ def test_bad_arguments_name_the_argument():
         PrefixKey(TOKENS, 0, chain_seed("model", 4))
     with pytest.raises(ValueError, match="algorithm"):
         PrefixKey(TOKENS, 4, chain_seed("model", 4), algorithm="md5")
+
+
+def test_partial_block_keys_bind_the_parent_and_exactly_their_tokens():
+    """A partial block's key is found only after the same whole blocks and with the same tokens,
+    n of them; it is never a whole block's key, nor another length's."""
+    from corekv.hashing import PrefixKey, chain_seed
+
+    seed = chain_seed("model", 4)
+    key = PrefixKey(TOKENS[:11], 4, seed)  # two whole blocks, then 3 tokens
+    longest_first = key.partial_hashes(2, 3)
+    assert len(longest_first) == 3 == len(set(longest_first))
+    assert longest_first[1:] == key.partial_hashes(2, 2)  # the same keys, whichever length asked
+    longer = PrefixKey(TOKENS[:11] + [7, 7, 7], 4, seed)  # a prompt that continues it
+    assert longer.partial_hashes(2, 3) == longest_first
+    assert not set(longest_first) & set(longer.block_hashes)  # never a whole block's key
+    other_parent = PrefixKey(TOKENS[:3] + [99] + TOKENS[4:11], 4, seed)
+    assert not set(other_parent.partial_hashes(2, 3)) & set(longest_first)
+    other_tokens = PrefixKey(TOKENS[:9] + [99, TOKENS[10]], 4, seed)
+    assert other_tokens.partial_hashes(2, 3)[:2] != longest_first[:2]
+    assert other_tokens.partial_hashes(2, 3)[2] == longest_first[2]  # the first token alone still matches
+    assert PrefixKey(TOKENS[:11], 4, chain_seed("model", 4, "tenant")).partial_hashes(2, 3)[2] != longest_first[2]
+    assert key.partial_hashes(0, 3) != PrefixKey(TOKENS[:11], 4, chain_seed("other", 4)).partial_hashes(0, 3)
+    for block, size in ((2, 4), (2, 0), (2, 4 + 1), (3, 1)):
+        with pytest.raises(ValueError, match="partial block"):
+            key.partial_hashes(block, size)

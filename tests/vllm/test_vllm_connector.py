@@ -177,3 +177,26 @@ def test_a_host_tier_with_write_through_and_offload_min_hits_in_one_process(refe
     # never hit on the device: not offloaded; then a device hit qualifies every block; then the tier serves
     assert [r["num_cached_tokens"] for r in out["runs"]] == [0, 0, full, full]
     assert all(r["token_ids"] == reference[0]["token_ids"] for r in out["runs"])
+
+
+def test_a_prompt_continuing_another_loads_its_partial_last_block_and_only_that(vllm_model, vllm_scratch, tmp_path):
+    """The next round of a chat: its prompt continues an earlier one that ended inside a block.
+    It loads the earlier prompt's whole blocks and its partial last block (its tokens exactly),
+    so its cached tokens are the whole earlier prompt; a prompt that leaves the earlier one
+    inside that block finds the whole blocks only. Outputs equal vLLM's without the connector."""
+    import random
+
+    rng = random.Random(7)
+    first = [rng.randrange(100, 40000) for _ in range(5 * BLOCK + 9)]   # ends 9 tokens into block 5
+    follow = first + [rng.randrange(100, 40000) for _ in range(3 * BLOCK)]
+    diverge = first[:-4] + [rng.randrange(100, 40000) for _ in range(2 * BLOCK)]
+    requests = [{"prompt_token_ids": ids, "max_tokens": 8} for ids in (first, follow, diverge)]
+    plain, _ = run_vllm({"model": str(vllm_model), "requests": requests, "reset_between": True},
+                        tmp_path / "plain", vllm_scratch)
+    config = write_config(tmp_path / "cache.yaml", [{"type": "lmdb", "path": str(tmp_path / "kv"), "size": "1GiB"}])
+    out, log = run_vllm({"model": str(vllm_model), "config": config, "requests": requests, "reset_between": True,
+                         "pause": 1.0}, tmp_path / "corekv", vllm_scratch, multiprocess=True)
+    assert [r["token_ids"] for r in out["runs"]] == [r["token_ids"] for r in plain["runs"]]
+    cached = [r["num_cached_tokens"] for r in out["runs"]]
+    assert cached == [0, len(first), 5 * BLOCK], cached
+    assert "did not load" not in log

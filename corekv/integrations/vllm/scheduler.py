@@ -6,6 +6,13 @@ the request's ``cache_salt`` (and LoRA name), so a tenant's blocks are found onl
 that tenant, in every tier and across restarts. The last prompt token is always computed (vLLM
 samples from its logits), so at most ``(num_tokens - 1) // block_size`` blocks are loaded.
 
+A prompt that ends inside a block leaves that partial block in the tiers too, keyed by its
+parent block and exactly its tokens (:meth:`corekv.hashing.PrefixKey.partial_hashes`), once the
+prompt's prefill is done: a later prompt that continues it (the next round of a chat) loads the
+whole blocks and then the partial one, so only the tokens after the earlier prompt are
+computed, not the rest of its last block too. A lookup asks for the longest partial block after
+the whole ones it found (one batch of up to ``block_size - 1`` keys per tier).
+
 When blocks are offloaded (``cache.write_policy``):
 
 - ``write_through``: each full block in the step that computes it, after the forward;
@@ -53,6 +60,7 @@ from corekv.integrations.vllm.shared_tiers import open_tiers, release_tiers, sch
 from corekv.offload import TierRun, lookup_runs
 from corekv.offload.cost import ReloadCost
 from corekv.offload.planner import OffloadPlanner
+from corekv.offload.tier_calls import safe_tier_call
 
 __all__ = ["SchedulerSide"]
 logger = logging.getLogger(__name__)
@@ -99,6 +107,7 @@ class _Request:
     key: PrefixKey
     block_ids: list[int]
     num_done: int                # leading blocks loaded, hit on the device, or queued for saving
+    partial_saved: bool = False  # the prompt's partial last block is queued for saving (or not wanted)
     pending: list[int] = field(default_factory=list)  # block indices to save (write_back: at the end)
 
 
@@ -130,8 +139,9 @@ class SchedulerSide:
         self.cost = ReloadCost([t.name for t in tiers], self.block_size, policy=settings.cache.reload_policy,
                                max_load_tokens=settings.cache.max_load_tokens)
         self.requests: dict[str, _Request] = {}
-        #: request id -> (key, device tokens, tier runs) of its last lookup, until its allocation
-        self._lookups: dict[str, tuple[PrefixKey, int, list]] = {}
+        #: request id -> (key, device tokens, tier runs, partial block found: (hash, tokens, tier
+        #: index) or None) of its last lookup, until its allocation
+        self._lookups: dict[str, tuple[PrefixKey, int, list, tuple | None]] = {}
         #: request id -> {tier index: tokens} of its planned load, until vLLM asks where they came from
         self._load_sources: dict[str, dict[int, int]] = {}
         #: per tier: the source vLLM's metrics name for it (memory on the node, disk, else unspecified)
@@ -156,7 +166,8 @@ class SchedulerSide:
 
     def matched_tokens(self, request, num_computed_tokens: int) -> int | None:
         """Tokens beyond vLLM's device match that the tiers (or the worker's writes in flight)
-        can give, whole blocks; ``None``: the next block's write is not sent yet, ask again."""
+        can give: whole blocks, then the longest partial block stored after them; ``None``: the
+        next block's write is not sent yet, ask again."""
         key = self._key(request)
         if key is None or not self.tiers:
             return 0
@@ -181,10 +192,33 @@ class SchedulerSide:
             runs.append(TierRun(IN_FLIGHT_RUN, num))
             pos += num
         found = self.cost.num_blocks_to_load(runs)  # the runs' leading blocks that beat recompute
-        self._lookups[request.request_id] = (key, num_computed_tokens, runs)
-        logger.debug("lookup %s: device %d tokens, tiers %d blocks from block %d", request.request_id,
-                     num_computed_tokens, found, first)
-        return (first + found) * self.block_size - num_computed_tokens if found else 0
+        # NOTE: a partial block only right after the whole ones found, and only where neither the
+        # cost model nor max_load_tokens stopped them short of it
+        index = first + found
+        tail = min(self.block_size - 1, request.num_tokens - 1 - index * self.block_size)
+        whole = found == sum(run.num_blocks for run in runs) and \
+            (index < limit or limit == (request.num_tokens - 1) // self.block_size)
+        partial = self._find_partial(key, index, tail) if whole and tail > 0 else None
+        self._lookups[request.request_id] = (key, num_computed_tokens, runs, partial)
+        logger.debug("lookup %s: device %d tokens, tiers %d blocks from block %d, partial %s", request.request_id,
+                     num_computed_tokens, found, first, partial[1] if partial else 0)
+        if not found and partial is None:
+            return 0
+        return (first + found) * self.block_size + (partial[1] if partial else 0) - num_computed_tokens
+
+    def _find_partial(self, key: PrefixKey, index: int, max_tokens: int) -> tuple[bytes, int, int] | None:
+        """The longest partial block ``index`` (at most ``max_tokens`` tokens) of ``key`` that a
+        write in flight or a tier holds: (its hash, its tokens, the tier's index), or None."""
+        hashes = key.partial_hashes(index, max_tokens)  # longest first
+        for n, h in enumerate(hashes):
+            if self.planner.is_in_flight(h) and h not in self._unsent:
+                return h, max_tokens - n, IN_FLIGHT_RUN
+        for tier_index, tier in enumerate(self.tiers):
+            flags = safe_tier_call(lambda: tier.contains_many(hashes), [], tier, "contains_many")
+            n = next((i for i, held in enumerate(flags) if held), None)
+            if n is not None:
+                return hashes[n], max_tokens - n, tier_index
+        return None
 
     def allocated(self, request, block_ids: list[int], num_external_tokens: int) -> None:
         """vLLM gave ``request`` its blocks; plan the load of the external tokens."""
@@ -194,15 +228,22 @@ class SchedulerSide:
             self.requests.pop(request.request_id, None)
             return
         num_device = (looked[1] if looked is not None else request.num_computed_tokens) // self.block_size
-        num_loaded = num_external_tokens // self.block_size
-        if num_loaded and looked is not None:
-            self._load_sources[request.request_id] = _split_runs(looked[2], num_loaded, self.block_size)
+        num_loaded, tail = divmod(num_external_tokens, self.block_size)
+        if (num_loaded or tail) and looked is not None:
+            sources = _split_runs(looked[2], num_loaded, self.block_size)
+            if tail and looked[3] is not None:
+                sources[looked[3][2]] = sources.get(looked[3][2], 0) + tail
+            self._load_sources[request.request_id] = sources
         state = _Request(request, key, list(block_ids), num_done=num_device + num_loaded)
         self.requests[request.request_id] = state
-        if num_loaded:
+        if num_loaded or tail:
             stop = num_device + num_loaded
-            self._plan.loads.append(BlockLoad(request.request_id, key.block_hashes[num_device:stop],
-                                              state.block_ids[num_device:stop]))
+            hashes, ids = key.block_hashes[num_device:stop], state.block_ids[num_device:stop]
+            if tail:
+                # NOTE: the key of exactly the ``tail`` tokens vLLM counts as loaded: the entry
+                # is their KV, or it is missing and the block is reported and recomputed
+                hashes, ids = hashes + key.partial_hashes(stop, tail)[:1], ids + [state.block_ids[stop]]
+            self._plan.loads.append(BlockLoad(request.request_id, hashes, ids))
         if num_device:
             state.pending.extend(self.planner.count_hits(key.block_hashes[:num_device]))
 
@@ -245,6 +286,9 @@ class SchedulerSide:
                 state.num_done = num_full
             if self.planner.is_write_through and state.pending:
                 self._queue_save(state, finished=False)
+            if not state.partial_saved and request.num_computed_tokens + num_scheduled >= request.num_prompt_tokens:
+                state.partial_saved = True
+                self._queue_partial_save(state)
         plan, self._plan = self._plan, StepPlan()
         plan.num_tokens = sum(scheduler_output.num_scheduled_tokens.values())
         self._unsent.clear()
@@ -261,6 +305,21 @@ class SchedulerSide:
         self._queue_save(state, finished=True)
         self._saving.add(request.request_id)
         return True
+
+    def _queue_partial_save(self, state: _Request) -> None:
+        """Offload the prompt's partial last block, whose prompt tokens this step completes
+        (under either write policy: the tokens after them are generated, so the block would
+        otherwise be stored, if ever, only under a key no later prompt has)."""
+        index, tail = divmod(state.request.num_prompt_tokens, self.block_size)
+        if not tail or index >= len(state.block_ids):
+            return
+        h = state.key.partial_hashes(index, tail)[0]
+        if not self.planner.qualifying([h]) or self.planner.is_in_flight(h):
+            return
+        self._unsent.add(h)
+        self._plan.saves.append(BlockSave(state.request.request_id, [h], [state.block_ids[index]], finished=False,
+                                          priority=-state.request.priority))
+        self.planner.queued([h])
 
     def _queue_save(self, state: _Request, *, finished: bool) -> None:
         indices = sorted(set(i for i in state.pending if i < len(state.block_ids)))
