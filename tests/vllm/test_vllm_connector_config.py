@@ -117,8 +117,8 @@ def test_the_workers_counters_reach_vllms_stats_summed():
 def fake_request(req_id: str, tokens: list[int], num_computed: int = 0):
     """The fields of vLLM's Request the scheduler side reads (no KV-event hashes: none published)."""
     return SimpleNamespace(request_id=req_id, all_token_ids=tokens, num_tokens=len(tokens),
-                           num_computed_tokens=num_computed, mm_features=None, prompt_embeds=None,
-                           lora_request=None, cache_salt=None, block_hashes=[], priority=0)
+                           num_prompt_tokens=len(tokens), num_computed_tokens=num_computed, mm_features=None,
+                           prompt_embeds=None, lora_request=None, cache_salt=None, block_hashes=[], priority=0)
 
 
 def step(side, req, block_ids):
