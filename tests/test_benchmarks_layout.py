@@ -358,11 +358,12 @@ def test_spy_shares_count_each_process_by_its_role_and_each_sample_in_one_part(t
     raw.write_text(SPY_RAW)
     assert sum(count for _, count in spy.samples(raw)) == 505
     got = spy.shares(raw, rate=50)
-    assert set(got) == {"driver", "engine core", "worker"}
+    assert set(got) == {"driver", "engine core", "worker", "worker, other threads"}
     assert got["driver"]["seconds"] == pytest.approx(1.0) and got["driver"]["parts"] == {"other": 1.0}
     assert got["engine core"]["parts"] == pytest.approx({"scheduler": 0.5, "corekv": 0.1})
-    # the writer thread has no WorkerProc frame: it is the worker's by its process
-    assert got["worker"]["parts"] == pytest.approx({"model forward": 8.0, "corekv": 0.4, "lmcache": 0.1})
-    assert got["worker"]["top"] == [("put (tiers/shm.py:12)", pytest.approx(0.4)),
-                                    ("start_load_kv (lmcache/integration/vllm/lmcache_mp_connector.py:3)",
+    assert got["worker"]["parts"] == pytest.approx({"model forward": 8.0, "lmcache": 0.1})
+    assert got["worker"]["top"] == [("start_load_kv (lmcache/integration/vllm/lmcache_mp_connector.py:3)",
                                      pytest.approx(0.1))]
+    # the writer thread has no WorkerProc frame: the worker's by its process, apart from its main thread
+    assert got["worker, other threads"]["parts"] == pytest.approx({"corekv": 0.4})
+    assert got["worker, other threads"]["top"] == [("put (tiers/shm.py:12)", pytest.approx(0.4))]

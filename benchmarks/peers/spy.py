@@ -2,7 +2,9 @@
 (vLLM's engine core and worker), and what the samples add up to, per process and per part.
 
 A sample is one active thread seen at one tick (py-spy leaves idle threads out), so a part's
-samples over the rate are the thread-seconds it was running or waiting on a lock, not idle.
+samples over the rate are the thread-seconds it was running or ready to run: a thread at nice 19
+(corekv's offload writer) is sampled while it waits for the CPU that the forward holds, so its
+seconds are not CPU seconds (the harness reads those from ``/proc``).
 """
 from __future__ import annotations
 
@@ -65,18 +67,21 @@ def _pid(frames: list[str]) -> str:
 
 
 def shares(raw: Path, *, rate: int = 50, top: int = 8) -> dict[str, dict]:
-    """Per process role (worker, engine core, the driver): thread-seconds sampled, the seconds
+    """Per process role (worker, engine core, the driver; the main thread of each apart from the
+    threads it started): thread-seconds sampled, the seconds
     in each part of :data:`PARTS` (the rest under "other"), and the ``top`` frames of corekv's
     and LMCache's samples (their innermost frame of the connector's own code)."""
     rows = list(samples(raw))
-    roles: dict[str, str] = {}
+    roles: dict[str, tuple[str, str]] = {}
     for frames, _ in rows:
         for role, marker in ROLES:
             if any(marker in f for f in frames):
-                roles.setdefault(_pid(frames), role)
+                roles.setdefault(_pid(frames), (role, marker))
     out: dict[str, dict] = {}
     for frames, count in rows:
-        role = roles.get(_pid(frames), "driver")
+        role, marker = roles.get(_pid(frames), ("driver", ""))
+        if not any(marker in f for f in frames):
+            role += ", other threads"  # NOTE: a thread the process started (corekv's writer, say)
         row = out.setdefault(role, {"seconds": 0.0, "parts": Counter(), "top": Counter()})
         row["seconds"] += count / rate
         part, own = next(((name, mine) for name, patterns in PARTS
