@@ -11,7 +11,8 @@ parent block and exactly its tokens (:meth:`corekv.hashing.PrefixKey.partial_has
 prompt's prefill is done: a later prompt that continues it (the next round of a chat) loads the
 whole blocks and then the partial one, so only the tokens after the earlier prompt are
 computed, not the rest of its last block too. A lookup asks for the longest partial block after
-the whole ones it found (one batch of up to ``block_size - 1`` keys per tier).
+the whole ones it found: one batch of up to ``block_size - 1`` keys, of the tiers on this machine
+only (``host``, ``shm``, ``lmdb``), since a remote store would answer each key with a request.
 
 When blocks are offloaded (``cache.write_policy``):
 
@@ -147,6 +148,9 @@ class SchedulerSide:
         #: per tier: the source vLLM's metrics name for it (memory on the node, disk, else unspecified)
         types = {t.name: t.type for t in settings.cache.tiers}
         self._tier_sources = [_SOURCES.get(types.get(t.name), CacheHitSource.EXTERNAL_UNSPECIFIED) for t in tiers]
+        #: the tiers asked for partial blocks: this machine's memory and disk, where asking for up
+        #: to ``block_size - 1`` keys costs no request per key (see :meth:`_find_partial`)
+        self._partial_tiers = [i for i, t in enumerate(tiers) if types.get(t.name) in _SOURCES]
         self._plan = StepPlan()
         self._unsent: set[bytes] = set()  # blocks whose save is in the plan not yet handed to vLLM
         self._saving: set[str] = set()   # finished requests whose blocks vLLM keeps until saved
@@ -213,7 +217,8 @@ class SchedulerSide:
         for n, h in enumerate(hashes):
             if self.planner.is_in_flight(h) and h not in self._unsent:
                 return h, max_tokens - n, IN_FLIGHT_RUN
-        for tier_index, tier in enumerate(self.tiers):
+        for tier_index in self._partial_tiers:
+            tier = self.tiers[tier_index]
             flags = safe_tier_call(lambda: tier.contains_many(hashes), [], tier, "contains_many")
             n = next((i for i, held in enumerate(flags) if held), None)
             if n is not None:
