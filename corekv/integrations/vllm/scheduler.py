@@ -292,8 +292,11 @@ class SchedulerSide:
             if self.planner.is_write_through and state.pending:
                 self._queue_save(state, finished=False)
             if not state.partial_saved and request.num_computed_tokens + num_scheduled >= request.num_prompt_tokens:
+                # NOTE: the prompt's partial block, once its prefill ends, under either write
+                # policy: the tokens after it are generated, so the block as the request leaves
+                # it is stored, if ever, under a key that only the same answer reaches
                 state.partial_saved = True
-                self._queue_partial_save(state)
+                self._plan_save(state, [], self._partial(state, request.num_prompt_tokens), finished=False)
         plan, self._plan = self._plan, StepPlan()
         plan.num_tokens = sum(scheduler_output.num_scheduled_tokens.values())
         self._unsent.clear()
@@ -304,39 +307,51 @@ class SchedulerSide:
         state = self.requests.pop(request.request_id, None)
         self._lookups.pop(request.request_id, None)
         self._load_sources.pop(request.request_id, None)
-        if state is None or not state.pending:
+        if state is None:
             return False
         state.block_ids = list(block_ids)
-        self._queue_save(state, finished=True)
+        # NOTE: a chat's next prompt continues the generated tokens too: the block they end in
+        # is offloaded as a partial block (the last sampled token has no KV yet)
+        final = []
+        if request.num_computed_tokens > request.num_prompt_tokens:
+            if len(state.key.token_ids) < request.num_computed_tokens:
+                state.key.extend(request.all_token_ids[len(state.key.token_ids):])
+            final = self._partial(state, request.num_computed_tokens)
+        if not state.pending and not final:
+            return False
+        self._queue_save(state, finished=True, partials=final)
         self._saving.add(request.request_id)
         return True
 
-    def _queue_partial_save(self, state: _Request) -> None:
-        """Offload the prompt's partial last block, whose prompt tokens this step completes
-        (under either write policy: the tokens after them are generated, so the block would
-        otherwise be stored, if ever, only under a key no later prompt has)."""
-        index, tail = divmod(state.request.num_prompt_tokens, self.block_size)
+    def _partial(self, state: _Request, num_tokens: int) -> list[tuple[bytes, int]]:
+        """``[(hash, block id)]`` of the partial block that the request's first ``num_tokens``
+        end in, where it is to be offloaded: empty where they end on a block boundary, the block
+        is not the request's, the admission policy declines it or it is being written."""
+        index, tail = divmod(num_tokens, self.block_size)
         if not tail or index >= len(state.block_ids):
-            return
+            return []
         h = state.key.partial_hashes(index, tail)[0]
         if not self.planner.qualifying([h]) or self.planner.is_in_flight(h):
-            return
-        self._unsent.add(h)
-        self._plan.saves.append(BlockSave(state.request.request_id, [h], [state.block_ids[index]], finished=False,
-                                          priority=-state.request.priority))
-        self.planner.queued([h])
+            return []
+        return [(h, state.block_ids[index])]
 
-    def _queue_save(self, state: _Request, *, finished: bool) -> None:
+    def _queue_save(self, state: _Request, *, finished: bool, partials: list[tuple[bytes, int]] = ()) -> None:
+        """Plan the save of ``state``'s pending whole blocks and of ``partials``."""
         indices = sorted(set(i for i in state.pending if i < len(state.block_ids)))
         state.pending = []
-        if not indices:
+        self._plan_save(state, indices, partials, finished=finished)
+
+    def _plan_save(self, state: _Request, indices: list[int], partials: list[tuple[bytes, int]], *,
+                   finished: bool) -> None:
+        hashes = [state.key.block_hashes[i] for i in indices] + [h for h, _ in partials]
+        if not hashes:
             return
-        hashes = [state.key.block_hashes[i] for i in indices]
         self._unsent.update(hashes)
         # NOTE: vLLM's priority scheduling runs the smaller request.priority first, corekv's
         # priority eviction keeps the larger longer: the tiers take it negated, so the requests
         # vLLM serves first are the ones whose blocks stay
-        self._plan.saves.append(BlockSave(state.request.request_id, hashes, [state.block_ids[i] for i in indices],
+        self._plan.saves.append(BlockSave(state.request.request_id, hashes,
+                                          [state.block_ids[i] for i in indices] + [b for _, b in partials],
                                           finished=finished, priority=-state.request.priority))
         self.planner.queued(hashes)
         self._remember_event_fields(state, indices)
