@@ -14,10 +14,9 @@ from corekv.integrations.vllm.settings import read_settings
 BLOCK = 32
 
 
-@pytest.mark.parametrize("tier_type", ["lmdb", "fsspec"])
-def test_a_continuing_prompt_loads_the_partial_block_from_this_machines_tiers(tmp_path, tier_type):
-    """lmdb (this machine's disk) is asked for partial blocks; fsspec (a remote store would take
-    a request per key) is not, and offers the whole blocks only."""
+def connector_sides(tmp_path, tier_type: str):
+    """Both sides of the connector on one real tier (lmdb or a local fsspec folder) and a CPU KV
+    layout of 24 blocks: (scheduler side, worker side, vLLM's per-layer KV tensors)."""
     from corekv.integrations.vllm.scheduler import SchedulerSide
     from corekv.integrations.vllm.worker import WorkerSide
 
@@ -31,6 +30,14 @@ def test_a_continuing_prompt_loads_the_partial_block_from_this_machines_tiers(tm
     scheduler, worker = SchedulerSide(settings, same_process=True), WorkerSide(settings, num_blocks=24)
     layers = {f"model.layers.{i}.self_attn.attn": torch.randn(24, 3, 32, 128) for i in range(30)}
     worker.register(layers)
+    return scheduler, worker, layers
+
+
+@pytest.mark.parametrize("tier_type", ["lmdb", "fsspec"])
+def test_a_continuing_prompt_loads_the_partial_block_from_this_machines_tiers(tmp_path, tier_type):
+    """lmdb (this machine's disk) is asked for partial blocks; fsspec (a remote store would take
+    a request per key) is not, and offers the whole blocks only."""
+    scheduler, worker, layers = connector_sides(tmp_path, tier_type)
     try:
         tokens = list(range(1000, 1200))  # 6 whole blocks of 32, then 8 tokens
         first = fake_request("first", tokens)
@@ -73,18 +80,7 @@ def test_the_block_a_finished_request_ends_in_is_offloaded_for_the_chats_next_ro
     """A chat's next prompt continues the generated answer too: the partial block the request's
     computed tokens end in (the last sampled token has none) is saved when it finishes, and the
     next round loads it after the whole blocks, the answer's included."""
-    from corekv.integrations.vllm.scheduler import SchedulerSide
-    from corekv.integrations.vllm.worker import WorkerSide
-
-    model_dir = tmp_path / "model"
-    model_dir.mkdir()
-    (model_dir / "model.safetensors").write_bytes(b"weights v1")
-    tier = {"type": "lmdb", "path": str(tmp_path / "kv"), "size": "256MiB", "sync": False}
-    settings = read_settings(vllm_config(model_dir, {"config": config_file(tmp_path, {"cache": {"tiers": [tier]}})}),
-                             kv_cache_config())
-    scheduler, worker = SchedulerSide(settings, same_process=True), WorkerSide(settings, num_blocks=24)
-    layers = {f"model.layers.{i}.self_attn.attn": torch.randn(24, 3, 32, 128) for i in range(30)}
-    worker.register(layers)
+    scheduler, worker, layers = connector_sides(tmp_path, "lmdb")
     try:
         prompt, answer = list(range(1000, 1170)), list(range(7000, 7050))  # 170 + 50 tokens
         first = fake_request("first", prompt)
