@@ -181,9 +181,9 @@ class PrefixKey:
                                    hashes[-1] if done else self.namespace, self.algorithm, start=done)
         return hashes
 
-    def partial_hashes(self, block_index: int, max_tokens: int) -> list[BlockHash]:
+    def partial_hashes(self, block_index: int, max_tokens: int, min_tokens: int = 1) -> list[BlockHash]:
         """Keys of the leading ``n`` tokens of block ``block_index``, for ``n`` from
-        ``max_tokens`` down to 1 (``max_tokens`` < ``block_size``): a partial block, chained to
+        ``max_tokens`` down to ``min_tokens`` (``max_tokens`` < ``block_size``): a partial block, chained to
         the full block before it (or the namespace), so it is found only after the same prefix.
 
         NOTE: a full block hashes its parent and ``block_size`` tokens; a partial one a marker,
@@ -197,7 +197,7 @@ class PrefixKey:
         start = block_index * self.block_size
         head = b"corekv-partial" + (self.block_hashes[block_index - 1] if block_index else self.namespace)
         packed = pack_tokens(self.token_ids[start:start + max_tokens])
-        return [digest(head + packed[:4 * n]) for n in range(max_tokens, 0, -1)]
+        return [digest(head + packed[:4 * n]) for n in range(max_tokens, max(min_tokens, 1) - 1, -1)]
 
     def extend(self, token_ids: Sequence[int]) -> None:
         """Append tokens (e.g. generated ones); their full blocks get hashes on next access."""

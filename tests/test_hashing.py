@@ -121,6 +121,7 @@ def test_partial_block_keys_bind_the_parent_and_exactly_their_tokens():
     longest_first = key.partial_hashes(2, 3)
     assert len(longest_first) == 3 == len(set(longest_first))
     assert longest_first[1:] == key.partial_hashes(2, 2)  # the same keys, whichever length asked
+    assert key.partial_hashes(2, 3, 3) == longest_first[:1] and key.partial_hashes(2, 3, 2) == longest_first[:2]
     longer = PrefixKey(TOKENS[:11] + [7, 7, 7], 4, seed)  # a prompt that continues it
     assert longer.partial_hashes(2, 3) == longest_first
     assert not set(longest_first) & set(longer.block_hashes)  # never a whole block's key

@@ -247,7 +247,7 @@ class SchedulerSide:
             if tail:
                 # NOTE: the key of exactly the ``tail`` tokens vLLM counts as loaded: the entry
                 # is their KV, or it is missing and the block is reported and recomputed
-                hashes, ids = hashes + key.partial_hashes(stop, tail)[:1], ids + [state.block_ids[stop]]
+                hashes, ids = hashes + key.partial_hashes(stop, tail, tail), ids + [state.block_ids[stop]]
             self._plan.loads.append(BlockLoad(request.request_id, hashes, ids))
         if num_device:
             state.pending.extend(self.planner.count_hits(key.block_hashes[:num_device]))
@@ -330,7 +330,7 @@ class SchedulerSide:
         index, tail = divmod(num_tokens, self.block_size)
         if not tail or index >= len(state.block_ids):
             return []
-        h = state.key.partial_hashes(index, tail)[0]
+        (h,) = state.key.partial_hashes(index, tail, tail)
         if not self.planner.qualifying([h]) or self.planner.is_in_flight(h):
             return []
         return [(h, state.block_ids[index])]
